@@ -1,0 +1,169 @@
+"""What crosses layers when something goes wrong: rank failures and the errors built from them."""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LaunchConfigError",
+    "RankFailure",
+    "WorkerFailedError",
+    "RunTimeoutError",
+    "RunStoppedError",
+    "describe_exitcode",
+    "format_rank_set",
+]
+
+
+class LaunchConfigError(ValueError):
+    """Bad input to ``launch`` or ``%%distributed``, raised before any process starts."""
+
+
+def describe_exitcode(exitcode: int | None) -> tuple[int | None, str | None]:
+    """Return ``(exitcode, signal_name)``; multiprocessing reports death by signal N as ``-N``."""
+    if exitcode is None or exitcode >= 0:
+        return exitcode, None
+    try:
+        return exitcode, signal.Signals(-exitcode).name
+    except ValueError:
+        return exitcode, f"signal {-exitcode}"
+
+
+def format_rank_set(ranks) -> str:
+    """``[0, 1, 2, 5]`` -> ``"ranks 0-2,5"``; one rank -> ``"rank 3"``."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    parts, start, prev = [], ranks[0], ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return "ranks " + ",".join(parts)
+
+
+@dataclass
+class RankFailure:
+    """One rank's failure: who it was, how it ended, and what it said.
+
+    ``traceback`` is the rank's formatted Python traceback (nbdist's own frames removed), or
+    ``None`` when the rank died without raising (``os._exit``, a signal, a segfault).
+    """
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    signal_name: str | None = None
+    traceback: str | None = None
+    exc_type: str | None = None
+    message: str | None = None
+    hint: str | None = None
+    time: float = 0.0
+    secondary: bool = False  # a consequence of another rank's death (peer closed the connection)
+
+    def describe(self) -> str:
+        """One line: how this rank ended."""
+        if self.signal_name:
+            how = f"killed by {self.signal_name}"
+        elif self.exc_type:
+            how = f"raised {self.exc_type}" + (f": {self.message}" if self.message else "")
+        else:
+            how = f"exited with code {self.exitcode}"
+        return f"{how} (pid {self.pid}, exit code {self.exitcode})"
+
+
+def _group_tracebacks(failures: dict[int, RankFailure]) -> list[tuple[list[int], RankFailure]]:
+    """Identical tracebacks (or identical deaths) from several ranks are shown once."""
+    groups: dict[str, tuple[list[int], RankFailure]] = {}
+    for rank in sorted(failures):
+        f = failures[rank]
+        if f.traceback:
+            # Peers report the same error with their own ports and pids: those don't make it different.
+            frames, _, last = f.traceback.rstrip().rpartition("\n")
+            key = frames + "\n" + re.sub(r"\d+", "#", last)
+        else:
+            key = f"exit:{f.exitcode}:{f.signal_name}"
+        groups.setdefault(key, ([], f))[0].append(rank)
+    return list(groups.values())
+
+
+class WorkerFailedError(RuntimeError):
+    """A run failed. ``rank`` is the root cause: the first rank to fail.
+
+    Attributes
+    ----------
+    rank : int
+        The rank that failed first (not a rank that only saw its peer disappear).
+    failures : dict[int, RankFailure]
+        Every rank that failed, by rank.
+    results : dict[int, object]
+        Return values of the ranks that finished before the failure.
+    run_dir : str or None
+        Where the full logs and tracebacks are kept.
+    """
+
+    def __init__(self, failures: dict[int, RankFailure], results=None, run_dir=None, reason=None):
+        self.failures = dict(failures)
+        self.results = dict(results or {})
+        self.run_dir = run_dir
+        self.reason = reason
+        self.rank = self._root_cause_rank()
+        super().__init__(self._compose())
+
+    def _root_cause_rank(self) -> int | None:
+        if not self.failures:
+            return None
+        primary = [f for f in self.failures.values() if not f.secondary] or list(self.failures.values())
+        return min(primary, key=lambda f: (f.time, f.rank)).rank
+
+    @property
+    def root_cause(self) -> RankFailure | None:
+        return self.failures.get(self.rank) if self.rank is not None else None
+
+    def _compose(self) -> str:
+        if self.rank is None:
+            return self.reason or "the run failed"
+        root = self.failures[self.rank]
+        lines = [f"rank {self.rank} failed first: {root.describe()}"]
+        if self.reason:
+            lines[0] = f"{self.reason}; " + lines[0]
+        others = sorted(r for r in self.failures if r != self.rank)
+        consequences = [r for r in others if self.failures[r].secondary]
+        if consequences:
+            lines.append(f"then {format_rank_set(consequences)} lost their peer")
+        if set(others) - set(consequences):
+            lines.append(f"also failed: {format_rank_set(set(others) - set(consequences))}")
+        # The root cause first; the peers that only saw it die come after.
+        groups = sorted(_group_tracebacks(self.failures), key=lambda g: self.rank not in g[0])
+        for ranks, f in groups:
+            if f.traceback:
+                lines.append(f"--- traceback from {format_rank_set(ranks)} ---")
+                lines.append(f.traceback.rstrip())
+            if f.hint:
+                lines.append(f"hint: {f.hint}")
+        if self.run_dir:
+            lines.append(f"logs: {self.run_dir}")
+        return "\n".join(lines)
+
+
+class RunTimeoutError(WorkerFailedError, TimeoutError):
+    """The run's ``timeout`` expired; every rank's stack was dumped into its log before the stop."""
+
+
+class RunStoppedError(RuntimeError):
+    """The run was interrupted or killed before it finished. ``results`` holds the finished ranks."""
+
+    def __init__(self, status: str, results=None, run_dir=None, report=None):
+        self.status = status
+        self.results = dict(results or {})
+        self.run_dir = run_dir
+        self.report = report
+        msg = f"the run was {status}"
+        if report is not None:
+            msg += f": {report}"
+        super().__init__(msg)

@@ -1,0 +1,126 @@
+"""The spawn launcher: ``torch.multiprocessing.start_processes(..., join=False)``, start method spawn.
+
+The only launcher that makes its ranks itself. Every rank is a direct child of the kernel, so
+the kernel reaps it and knows its exit code; the rank then leaves for its own session
+(:func:`nbdist.worker.prepare_rank_process`), which is what makes its children killable with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+
+from ..errors import LaunchConfigError
+from ..payload import RUN_DIR_ENV, RUN_ID_ENV
+
+__all__ = ["SpawnLauncher", "check_start_method"]
+
+_ENV_LOCK = threading.Lock()
+START_METHODS = ("spawn", "fork")
+
+
+def check_start_method(start_method: str) -> None:
+    """Refuse what can't work, before any process starts: above all, fork after CUDA."""
+    if start_method not in START_METHODS:
+        raise LaunchConfigError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "fork":
+        import sys
+
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            raise LaunchConfigError(
+                "CUDA is already initialised in this kernel, so forked ranks can't use it "
+                "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' (the default), "
+                "or restart the kernel and launch before touching CUDA"
+            )
+
+
+@contextlib.contextmanager
+def _environ_for_children(extra: dict[str, str]):
+    """Put ``extra`` into os.environ while children are started, then restore it exactly.
+
+    multiprocessing's spawn passes the parent's environ as it is at exec time and takes no env
+    of its own. The marker must be in the exec env (``/proc/PID/environ`` shows only that), so
+    it is set for the few milliseconds of the start, under a lock.
+    """
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@dataclass
+class SpawnLauncher:
+    """Start ``nprocs`` ranks with torch's spawn and keep their handles."""
+
+    start_method: str = "spawn"
+    name: str = "spawn"
+
+    def __post_init__(self):
+        self._context = None
+        self._pids: dict[int, int] = {}
+        self._codes: dict[int, int | None] = {}
+
+    def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
+        import multiprocessing.resource_tracker as resource_tracker
+
+        import torch.multiprocessing as tmp
+
+        from ..worker import run_spawned_rank
+
+        check_start_method(self.start_method)
+        # The kernel's resource tracker starts lazily with the first child; start it outside the
+        # marked window, or it would carry this run's marker and be stopped with the run.
+        resource_tracker.ensure_running()
+        child_env = {RUN_ID_ENV: run_id, RUN_DIR_ENV: run_dir, **env}
+        # torchrun's default: N ranks on a shared CPU fight over threads otherwise.
+        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
+            child_env["OMP_NUM_THREADS"] = "1"
+        with _environ_for_children(child_env):
+            self._context = tmp.start_processes(
+                run_spawned_rank,
+                args=(run_dir,),
+                nprocs=nprocs,
+                join=False,
+                daemon=False,
+                start_method=self.start_method,
+            )
+        self._pids = {rank: p.pid for rank, p in enumerate(self._context.processes)}
+        self._codes = dict.fromkeys(self._pids)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """rank -> pid; kept after the handles are closed."""
+        return dict(self._pids)
+
+    def sentinels(self) -> list[int]:
+        if self._context is None:
+            return []
+        return [p.sentinel for r, p in enumerate(self._context.processes) if self._codes[r] is None]
+
+    def poll(self) -> dict[int, int | None]:
+        """rank -> exit code, or None while running. Reaps exited ranks."""
+        if self._context is not None:
+            for rank, p in enumerate(self._context.processes):
+                if self._codes[rank] is None:
+                    self._codes[rank] = p.exitcode
+        return dict(self._codes)
+
+    def close(self) -> None:
+        """Release the handles of exited ranks (their pipes); running ones stay open."""
+        if self._context is None:
+            return
+        self.poll()
+        if all(c is not None for c in self._codes.values()):
+            for p in self._context.processes:
+                p.close()
+            self._context = None

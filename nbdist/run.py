@@ -1,0 +1,434 @@
+"""Run: one execution of one function on all its ranks, from start to nothing left.
+
+Start-or-close: a run that fails while starting stops whatever it started before the error
+leaves :func:`start_run`. Once started, one monitor thread per run follows the ranks' logs,
+reaps ranks as they exit, tears the rest down when one fails (fail-fast), and enforces the
+timeout. Every stop, whoever asks for it, climbs one ladder (SIGINT, SIGTERM, SIGKILL) against
+one deadline, and ends only when no rank, no child of a rank and no marked process is left.
+
+No IPython and no signal handlers here: the front ends translate their interrupts into
+:meth:`Run.interrupt`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+from . import payload, proctree
+from .errors import RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError, describe_exitcode
+from .payload import RunSpec
+from .streams import OutputChunk, RankOutput
+
+__all__ = ["Run", "RankStatus", "RunEvent", "start_run"]
+
+log = logging.getLogger(__name__)
+
+INTERRUPT_LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+KILL_LADDER = (signal.SIGTERM, signal.SIGKILL)
+TERMINAL = ("finished", "failed", "interrupted", "killed")
+
+_LIVE_RUNS: weakref.WeakSet = weakref.WeakSet()
+
+
+@dataclass
+class RankStatus:
+    """A rank's state, as the views show it."""
+
+    rank: int
+    status: str = "starting"
+    pid: int | None = None
+    exitcode: int | None = None
+    signal_name: str | None = None
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+
+@dataclass
+class RunEvent:
+    """The run or one of its ranks changed state. ``rank`` is None for the run itself."""
+
+    status: str
+    rank: int | None = None
+    detail: object = None
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """True when ``pid`` (our child) has exited, without reaping it: its pid, and so its process
+    group id, stays reserved while we clean up after it."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
+
+
+class Run:
+    """A run of a function on N ranks. Made by :func:`nbdist.launch` with ``join=False``.
+
+    Attributes
+    ----------
+    run_id : str
+        The marker every process of the run carries as ``NBDIST_RUN_ID``.
+    run_dir : str
+        The private folder with the payload, the per-rank logs, results and errors.
+    nprocs : int
+        The number of ranks this kernel started.
+    status : str
+        "starting", "running", "finished", "failed", "interrupted" or "killed".
+
+    Examples
+    --------
+    >>> run = nbdist.launch(train, nprocs=4, join=False)
+    >>> run.status
+    'running'
+    >>> run.wait()          # {0: ..., 1: ..., 2: ..., 3: ...}
+    >>> with nbdist.launch(train, nprocs=4, join=False) as run:
+    ...     pass            # leaving the block stops the run
+    """
+
+    def __init__(self, run_id, run_dir, spec: RunSpec, launcher, rendezvous=None, timeout=None, stop_timeout=5.0):
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.spec = spec
+        self.nprocs = spec.nprocs
+        self.timeout = timeout
+        self.stop_timeout = stop_timeout
+        self.launcher = launcher
+        self.rendezvous = rendezvous
+        self.ranks = {r: RankStatus(r) for r in range(spec.nprocs)}
+        self.outputs = {r: RankOutput(run_dir, spec.identity_for(r).rank) for r in range(spec.nprocs)}
+        self.results: dict[int, object] = {}
+        self.error: WorkerFailedError | None = None
+        self.report: proctree.StopReport | None = None
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self._status = "starting"
+        self._subscribers = []
+        self._done = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._stopping: str | None = None
+        self._exit_seen: dict[int, float] = {}
+        self._monitor: threading.Thread | None = None
+
+    # ---- public state -------------------------------------------------------------------
+    @property
+    def status(self) -> str:
+        return self._status
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """rank -> pid of the rank process."""
+        return {self.global_rank(r): pid for r, pid in self.launcher.pids.items()}
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def global_rank(self, local: int) -> int:
+        return self.spec.identity_for(local).rank
+
+    def __repr__(self) -> str:
+        return f"<nbdist.Run {self.run_id} {self.status} nprocs={self.nprocs} dir={self.run_dir}>"
+
+    # ---- events ---------------------------------------------------------------------------
+    def subscribe(self, callback, replay: bool = True) -> None:
+        """Call ``callback(event)`` from the monitor thread for every OutputChunk and RunEvent.
+
+        With ``replay``, lines already read and the current rank states are sent first, so a
+        view that attaches late misses nothing the run still holds in memory.
+        """
+        if replay:
+            for r, out in self.outputs.items():
+                by_stream: dict[str, list[str]] = {}
+                for stream, line in list(out.lines):
+                    by_stream.setdefault(stream, []).append(line)
+                for stream, lines in by_stream.items():
+                    callback(OutputChunk(self.global_rank(r), stream, lines, ""))
+            for r, st in self.ranks.items():
+                callback(RunEvent(st.status, self.global_rank(r), st))
+            if self.done:
+                callback(RunEvent(self.status, None, self.error or self.report))
+        self._subscribers.append(callback)
+
+    def _emit(self, event) -> None:
+        for cb in list(self._subscribers):
+            try:
+                cb(event)
+            except Exception:  # a broken view must never stop the run's bookkeeping
+                log.exception("nbdist view callback failed")
+
+    def _set_rank_status(self, local: int, status: str, exitcode=None) -> None:
+        st = self.ranks[local]
+        if st.status in TERMINAL:
+            return
+        st.status = status
+        if status in TERMINAL:
+            st.ended = time.monotonic()
+            st.exitcode, st.signal_name = describe_exitcode(exitcode)
+        self._emit(RunEvent(status, self.global_rank(local), st))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def _begin(self) -> None:
+        self._status = "running"
+        for r, pid in self.launcher.pids.items():
+            self.ranks[r].pid = pid
+            self._set_rank_status(r, "running")
+        self._emit(RunEvent("running"))
+        _LIVE_RUNS.add(self)
+        self._monitor = threading.Thread(target=self._watch, name=f"nbdist-run-{self.run_id}", daemon=True)
+        self._monitor.start()
+
+    def _pump_output(self, final: bool = False) -> None:
+        for out in self.outputs.values():
+            for chunk in out.poll(final=final):
+                self._emit(chunk)
+
+    def _watch(self) -> None:
+        try:
+            while not self._done.is_set():
+                sentinels = self.launcher.sentinels()
+                if sentinels:
+                    multiprocessing.connection.wait(sentinels, timeout=0.05)
+                else:
+                    time.sleep(0.05)
+                self._pump_output()
+                if self._stopping:
+                    continue  # whoever is stopping the run finishes it
+                self._reap_exited()
+                failed = [r for r, st in self.ranks.items() if st.status == "failed"]
+                if failed:
+                    self._stop("failed", INTERRUPT_LADDER, timeout=min(self.stop_timeout, 2.0))
+                elif all(st.status == "finished" for st in self.ranks.values()):
+                    self._finalize("finished", None)
+                elif self.timeout is not None and time.monotonic() - self.started > self.timeout:
+                    self._time_out()
+        except Exception:
+            log.exception("nbdist monitor failed; stopping the run")
+            self._stop("failed", KILL_LADDER, timeout=2.0, reason="internal error in nbdist's monitor")
+
+    def _reap_exited(self) -> None:
+        recorded = None
+        for r, st in self.ranks.items():
+            if st.status in TERMINAL or st.pid is None or not _exited_unreaped(st.pid):
+                continue
+            if recorded is None:
+                recorded = set(payload.read_pids(self.run_dir).values())
+            if st.pid in recorded:
+                # The rank led its own group; its pid is still reserved (not reaped yet), so this
+                # reaches only what it left behind.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(st.pid, signal.SIGKILL)
+            code = self.launcher.poll().get(r)
+            self._exit_seen[r] = time.time()
+            grank = self.global_rank(r)
+            ok, value = payload.read_result(self.run_dir, grank)
+            if code == 0 and ok:
+                self.results[grank] = value
+                self._set_rank_status(r, "finished", code)
+            else:
+                self._set_rank_status(r, "failed", code)
+
+    def _time_out(self) -> None:
+        """Dump every rank's stacks into its log, then stop the run as failed."""
+        sizes = {}
+        for r, st in self.ranks.items():
+            if st.status not in TERMINAL and st.pid:
+                path = payload.log_path(self.run_dir, self.global_rank(r), "stderr")
+                sizes[r] = os.path.getsize(path) if os.path.exists(path) else 0
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(st.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            grown = all(
+                os.path.exists(p) and os.path.getsize(p) > sizes[r]
+                for r, p in ((r, payload.log_path(self.run_dir, self.global_rank(r), "stderr")) for r in sizes)
+            )
+            if grown:
+                time.sleep(0.1)  # let the dump finish
+                break
+            time.sleep(0.05)
+        self._stop(
+            "failed",
+            INTERRUPT_LADDER,
+            timeout=min(self.stop_timeout, 3.0),
+            reason=f"timed out after {self.timeout:g} s (stacks dumped into the rank logs)",
+        )
+
+    def _stop(self, status: str, signals, timeout: float, reason: str | None = None) -> proctree.StopReport:
+        with self._stop_lock:
+            if self._stopping or self._done.is_set():
+                first = False
+            else:
+                self._stopping = status
+                first = True
+        if not first:
+            self._done.wait()
+            return self.report
+        interrupted = None
+        leaders = [st.pid for st in self.ranks.values() if st.pid and st.status not in TERMINAL]
+        try:
+            report = proctree.stop_tree(leaders, self.run_id, signals, timeout=timeout, on_tick=self.launcher.poll)
+        except KeyboardInterrupt as exc:  # a second Ctrl-C: skip to SIGKILL, but never leave half a tree
+            interrupted = exc
+            report = proctree.stop_tree(leaders, self.run_id, (signal.SIGKILL,), timeout=2.0, on_tick=self.launcher.poll)
+        self._finalize(status, report, reason)
+        if interrupted is not None:
+            raise interrupted
+        return report
+
+    def _collect_failures(self) -> dict[int, RankFailure]:
+        failures = {}
+        for r, st in self.ranks.items():
+            grank = self.global_rank(r)
+            info = payload.read_error(self.run_dir, grank)
+            if info is None and st.status != "failed":
+                continue
+            exitcode, signame = describe_exitcode(st.exitcode)
+            f = RankFailure(rank=grank, pid=st.pid, exitcode=exitcode, signal_name=signame,
+                            time=self._exit_seen.get(r, time.time()))
+            if info is not None:
+                f.traceback, f.exc_type, f.message = info["traceback"], info["exc_type"], info["message"]
+                f.hint, f.secondary, f.time = info.get("hint"), info.get("secondary", False), info["time"]
+            elif st.exitcode == 0:
+                f.message = "exited with code 0 without returning a result"
+            failures[grank] = f
+        return failures
+
+    def _finalize(self, status: str, report, reason: str | None = None) -> None:
+        # Reap everything, read what the ranks left, and only then tell the world.
+        for _ in range(100):
+            codes = self.launcher.poll()
+            if all(c is not None for c in codes.values()):
+                break
+            time.sleep(0.02)
+        for r, code in self.launcher.poll().items():
+            st = self.ranks[r]
+            grank = self.global_rank(r)
+            if st.status in TERMINAL:
+                continue
+            ok, value = payload.read_result(self.run_dir, grank)
+            if ok and code == 0:
+                self.results[grank] = value
+                self._set_rank_status(r, "finished", code)
+            else:
+                self._set_rank_status(r, status if status != "failed" else "killed", code)
+        self._pump_output(final=True)
+        self.launcher.close()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+        self.report = report
+        if status == "failed":
+            failures = self._collect_failures()
+            cls = RunTimeoutError if reason and reason.startswith("timed out") else WorkerFailedError
+            self.error = cls(failures, self.results, self.run_dir, reason)
+        elif status in ("interrupted", "killed"):
+            self.error = RunStoppedError(status, self.results, self.run_dir, report)
+        self._status = status
+        self.ended = time.monotonic()
+        _LIVE_RUNS.discard(self)
+        self._done.set()
+        self._emit(RunEvent(status, None, self.error or report))
+
+    # ---- what users call ------------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until the run ends; return ``{rank: value}`` or raise its error.
+
+        KeyboardInterrupt while waiting interrupts the run (nothing is left running), then
+        propagates. ``timeout`` here only limits the wait: on expiry TimeoutError is raised and the
+        run goes on.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._done.wait(0.1):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"run {self.run_id} still {self.status} after {timeout} s")
+        except KeyboardInterrupt:
+            self.interrupt()
+            raise
+        if self.error is not None:
+            raise self.error
+        return dict(sorted(self.results.items()))
+
+    def interrupt(self) -> proctree.StopReport:
+        """Stop every rank and its children: SIGINT, then SIGTERM, then SIGKILL, one deadline."""
+        return self._stop("interrupted", INTERRUPT_LADDER, timeout=self.stop_timeout)
+
+    def kill(self) -> proctree.StopReport:
+        """Stop every rank and its children now: SIGTERM, then SIGKILL."""
+        return self._stop("killed", KILL_LADDER, timeout=min(self.stop_timeout, 2.0))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if not self.done:
+            self.interrupt()
+        return False
+
+
+def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=None, backend="auto",
+              dist_url="auto", init_process_group=True, timeout=None, env=None, start_method="spawn",
+              stop_timeout=5.0, extra=None, on_event=None) -> Run:
+    """Write the run dir, start the ranks with the spawn launcher, and return the running Run.
+
+    Start-or-close: if anything fails after the first process exists, everything this call
+    started is stopped before the exception leaves.
+    """
+    from .launchers.spawn import SpawnLauncher, check_start_method
+    from .rendezvous import open_rendezvous
+
+    check_start_method(start_method)
+    run_id = run_id or payload.new_run_id()
+    run_dir = run_dir or payload.create_run_dir(run_id, runs_root)
+    payload.write_payload(run_dir, fn, args, kwargs, extra)
+    rendezvous = open_rendezvous(dist_url, nprocs) if init_process_group else None
+    spec = RunSpec(
+        run_id=run_id,
+        nprocs=nprocs,
+        world_size=nprocs,
+        backend=backend,
+        init_method=rendezvous.init_method if rendezvous else None,
+        master_addr=rendezvous.master_addr if rendezvous else "127.0.0.1",
+        master_port=rendezvous.master_port if rendezvous else None,
+        use_agent_store=bool(rendezvous and rendezvous.use_agent_store),
+        parent_pid=os.getpid(),
+        # PDEATHSIG follows the thread that forked: only the main thread lives as long as the kernel.
+        pdeathsig=threading.current_thread() is threading.main_thread(),
+        start_method=start_method,
+    )
+    payload.write_spec(run_dir, spec)
+    launcher = SpawnLauncher(start_method=start_method)
+    run = Run(run_id, run_dir, spec, launcher, rendezvous, timeout, stop_timeout)
+    if on_event is not None:
+        run.subscribe(on_event, replay=False)
+    try:
+        launcher.start(run_dir, run_id, nprocs, {k: str(v) for k, v in (env or {}).items()})
+        run._begin()
+    except BaseException:
+        report = proctree.stop_tree(list(launcher.pids.values()), run_id, KILL_LADDER, timeout=2.0,
+                                    on_tick=launcher.poll)
+        run._finalize("killed", report, "start failed")
+        raise
+    return run
+
+
+@atexit.register
+def _stop_live_runs() -> None:
+    # A script that ends with runs in flight must not leave them behind (the ranks' watchdogs
+    # would catch it too, but only after this process is gone).
+    for run in list(_LIVE_RUNS):
+        with contextlib.suppress(Exception):
+            run.kill()

@@ -1,0 +1,300 @@
+"""The rank side: ``python -m nbdist.worker RUN_DIR``, or :func:`run_spawned_rank` under torch's spawn.
+
+A rank, in order: leaves the kernel's process group for its own (so its children go with it),
+arranges to die with its parent, sends fd 1 and 2 into its log files, sets the env exactly as
+torchrun would, binds its device, joins the process group, runs the payload and writes the
+result or the error. Standard library plus payload; torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from . import payload
+from .payload import RankIdentity, RunSpec
+
+__all__ = [
+    "prepare_rank_process",
+    "redirect_output",
+    "export_rank_env",
+    "bind_device",
+    "resolve_backend",
+    "run_payload",
+    "run_spawned_rank",
+    "main",
+]
+
+PR_SET_PDEATHSIG = 1
+# A signal no library uses, so that our "parent died" handler is never someone else's.
+PARENT_DIED_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGTERM
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+# Messages that a rank sees when a *peer* died: never the root cause if another rank failed too.
+_PEER_LOSS_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ProcessGroupNCCL is aborted",
+    "Socket Timeout",
+    "Connection refused",
+)
+
+_HINTS = (
+    (
+        "Cannot re-initialize CUDA in forked subprocess",
+        "CUDA was initialised in the kernel before the ranks were forked; use start_method='spawn' "
+        "(the default), or restart the kernel and don't touch CUDA before launching",
+    ),
+    (
+        "address already in use",
+        "the rendezvous port is taken; leave dist_url='auto' so nbdist picks a free port and holds it",
+    ),
+    (
+        "EADDRINUSE",
+        "the rendezvous port is taken; leave dist_url='auto' so nbdist picks a free port and holds it",
+    ),
+    (
+        "No module named",
+        "the ranks import modules by name: install the module in the kernel's environment, or "
+        "define the code in the notebook so it travels by value",
+    ),
+    (
+        "pickle",
+        "values crossing to or from the ranks must be picklable; build the object inside the "
+        "function, or return plain tensors, numbers and dicts",
+    ),
+)
+
+
+def _set_pdeathsig(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` when our parent (thread) dies. Linux only."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _kill_own_group(*_):
+    """Parent is gone: take this rank and everything in its group (DataLoader workers...) down."""
+    try:
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    finally:
+        os._exit(137)
+
+
+def _watch_parent(parent_pid: int, interval: float) -> None:
+    # PDEATHSIG alone kills only this process; grandchildren would be orphaned. This thread
+    # needs no signal delivery and works while the main thread sits in a C call without the GIL.
+    while True:
+        if os.getppid() != parent_pid:
+            _kill_own_group()
+        time.sleep(interval)
+
+
+def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, own_group: bool = True) -> None:
+    """Everything that makes this process a well-behaved rank, before any user code runs."""
+    parent = os.getppid()
+    if own_group:
+        try:
+            os.setsid()
+        except PermissionError:  # already a group leader (a launcher made us one)
+            pass
+    if spec.pdeathsig:
+        signal.signal(PARENT_DIED_SIGNAL, _kill_own_group)
+        _set_pdeathsig(PARENT_DIED_SIGNAL)
+    if spec.parent_pid and parent != spec.parent_pid and spec.start_method != "launcher":
+        _kill_own_group()  # the kernel died before we got here
+    threading.Thread(target=_watch_parent, args=(parent, 0.1), name="nbdist-parent-watch", daemon=True).start()
+    redirect_output(run_dir, identity.rank)
+    export_rank_env(spec, identity)
+    payload.record_pid(run_dir, identity.rank, os.getpid())
+    # On timeout the kernel sends STACK_DUMP_SIGNAL: every thread's stack goes into this rank's log.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+def redirect_output(run_dir: str, rank: int) -> None:
+    """Point fd 1 and 2 at the rank's log files, so C code and subprocesses are captured too."""
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        target = os.open(payload.log_path(run_dir, rank, stream), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+
+
+def export_rank_env(spec: RunSpec, identity: RankIdentity) -> None:
+    """Set the env exactly as torchrun does, so Accelerate, Lightning and HF code work unchanged."""
+    env = {
+        "RANK": identity.rank,
+        "LOCAL_RANK": identity.local_rank,
+        "WORLD_SIZE": identity.world_size,
+        "LOCAL_WORLD_SIZE": identity.local_world_size,
+        "GROUP_RANK": spec.node_rank,
+        "MASTER_ADDR": spec.master_addr,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if spec.master_port:
+        env["MASTER_PORT"] = spec.master_port
+    if spec.use_agent_store:
+        # The kernel hosts the TCPStore; with this, env:// makes every rank (rank 0 too) a client,
+        # so a user's own init_process_group("env://") never races us for the port.
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    os.environ.update({k: str(v) for k, v in env.items()})
+
+
+def resolve_backend(backend: str) -> str:
+    """``"auto"`` is nccl where CUDA is available and gloo otherwise."""
+    if backend != "auto":
+        return backend
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def bind_device(local_rank: int, backend: str) -> str:
+    """Pin this rank to ``cuda:{local_rank % device_count}`` when it has a GPU; return the device name."""
+    import torch
+
+    if backend == "gloo" and not torch.cuda.is_available():
+        return "cpu"
+    if torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
+    return "cpu"
+
+
+def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
+    """Join the process group; return True when this call created it."""
+    if not spec.init_method:
+        return False
+    import torch.distributed as dist
+
+    backend = resolve_backend(spec.backend)
+    bind_device(identity.local_rank, backend)
+    if dist.is_initialized():
+        return False
+    dist.init_process_group(
+        backend=backend, init_method=spec.init_method, rank=identity.rank, world_size=identity.world_size
+    )
+    return True
+
+
+def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """Frames from the user's code: nbdist's own frames and the launcher plumbing go."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = traceback.extract_tb(exc.__traceback__)
+    return [f for f in frames if not os.path.abspath(f.filename).startswith(here + os.sep)]
+
+
+def describe_exception(exc: BaseException) -> dict:
+    """The error record a rank leaves in ``error.{R}.json``."""
+    frames = _user_frames(exc)
+    full = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    body = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) if frames else ""
+    body += "".join(traceback.format_exception_only(type(exc), exc))
+    text = f"{type(exc).__name__}: {exc}"
+    hint = next((h for marker, h in _HINTS if marker.lower() in text.lower()), None)
+    return {
+        "exc_type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": body,
+        "full_traceback": full,
+        "hint": hint,
+        "secondary": any(m in text for m in _PEER_LOSS_MARKERS),
+        "time": time.time(),
+        "pid": os.getpid(),
+    }
+
+
+def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity) -> int:
+    """Run the payload once on this rank; write its result or error; return the exit code.
+
+    A function a loop can call: it assumes nothing about this process being new.
+    """
+    created_group = False
+    try:
+        created_group = init_distributed(spec, identity)
+        fn, args, kwargs, _extra = payload.read_payload(run_dir)
+        value = fn(*args, **kwargs)
+        payload.write_result(run_dir, identity.rank, value)
+        code = 0
+    except KeyboardInterrupt:
+        code = 130  # stopped by the kernel; the kernel already knows why
+    except BaseException as exc:  # SystemExit too: a rank that calls sys.exit(3) failed with 3
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            payload.write_result(run_dir, identity.rank, None)
+            code = 0
+        else:
+            info = describe_exception(exc)
+            payload.write_error(run_dir, identity.rank, info)
+            sys.stderr.write(info["full_traceback"])
+            code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    finally:
+        _flush_std()
+    if created_group and code == 0:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return code
+
+
+def _flush_std() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def run_spawned_rank(local_rank: int, run_dir: str) -> None:
+    """Entry point under ``torch.multiprocessing.start_processes``: one spawned rank."""
+    spec = payload.read_spec(run_dir)
+    identity = spec.identity_for(local_rank)
+    prepare_rank_process(run_dir, spec, identity)
+    code = run_payload(run_dir, spec, identity)
+    # SystemExit passes through torch's wrapper (it only catches Exception) and sets the exit code.
+    sys.exit(code)
+
+
+def main(argv=None) -> int:
+    """``python -m nbdist.worker RUN_DIR``: a rank started by torchrun, mpirun or srun."""
+    from .world import detect_world
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m nbdist.worker RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = argv[0]
+    if not os.path.isfile(os.path.join(run_dir, "spec.json")):
+        print(f"nbdist.worker: {run_dir} is not readable here; put the run dir on a shared path", file=sys.stderr)
+        return 2
+    spec = payload.read_spec(run_dir)
+    world = detect_world()
+    if world is None:
+        identity = spec.identity_for(0)
+    else:
+        identity = RankIdentity(
+            world.rank, world.local_rank or 0, world.world_size, world.local_world_size or spec.nprocs
+        )
+    # Under a launcher our parent is the launcher's agent, and the launcher owns the group.
+    prepare_rank_process(run_dir, spec, identity, own_group=False)
+    return run_payload(run_dir, spec, identity)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

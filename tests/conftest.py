@@ -1,0 +1,103 @@
+"""Every test proves it left nothing running: no new descendant and no marked process."""
+
+from __future__ import annotations
+
+import multiprocessing.resource_tracker
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from nbdist import proctree
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRACE_S = 5.0
+
+
+def _tracker_pid():
+    return getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+
+
+def _live_descendants() -> set[int]:
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _leftovers(before: set[int]) -> dict[int, str]:
+    # The kernel-side multiprocessing resource tracker is a long-lived helper of this process,
+    # started once; it is not a run's process and carries no marker.
+    ignore = before | {_tracker_pid()}
+    left = {}
+    for pid in _live_descendants() - ignore:
+        try:
+            left[pid] = " ".join(psutil.Process(pid).cmdline())[:120]
+        except psutil.NoSuchProcess:
+            pass
+    for m in proctree.find_marked():
+        left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
+    return left
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """Record descendants before the test; fail if any new one, or any marked process, outlives it."""
+    before = _live_descendants()
+    yield
+    deadline = time.monotonic() + GRACE_S
+    left = _leftovers(before)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _leftovers(before)
+    if left:
+        for pid in left:  # clean up by pid so one leak doesn't fail the tests after it
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        pytest.fail(f"processes left running {GRACE_S:.0f} s after the test: {left}")
+
+
+@pytest.fixture
+def run_script(tmp_path):
+    """Write a Python script and return a function that starts it (Popen, its own session)."""
+
+    def start(source: str, *args, env=None, **popen_kw):
+        path = tmp_path / f"script_{time.monotonic_ns()}.py"
+        path.write_text(textwrap.dedent(source))
+        full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        return subprocess.Popen(
+            [sys.executable, str(path), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full_env,
+            cwd=str(tmp_path),
+            **popen_kw,
+        )
+
+    return start
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def marked_pids(run_id=None) -> set[int]:
+    return {m.pid for m in proctree.find_marked(run_id)}

@@ -1,0 +1,103 @@
+"""Functions that tests run on ranks. A module of their own, so ranks import them by name."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def rank_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def report_env():
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NBDIST_RUN_ID")
+    with open("/proc/self/environ", "rb") as fh:
+        exec_env = fh.read().split(b"\0")
+    return {
+        "env": {k: os.environ.get(k) for k in keys},
+        "initialized": dist.is_initialized(),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+        "marker_in_exec_env": any(e.startswith(b"NBDIST_RUN_ID=") for e in exec_env),
+        "group_leader": os.getpgid(0) == os.getpid(),
+    }
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10_000
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return torch.tensor([i])
+
+
+def sleep_with_loader(ready_dir, seconds=120):
+    """Start a DataLoader with 2 worker processes (the grandchildren), say so, then hang."""
+    loader = torch.utils.data.DataLoader(_Slow(), num_workers=2, batch_size=1)
+    it = iter(loader)
+    next(it)
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(ready_dir, f"ready.{rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        next(it)
+    return rank
+
+
+def fail_on(bad_rank, how, delay=0.5):
+    """``bad_rank`` fails in the way named while the others block in a collective."""
+    if dist.get_rank() == bad_rank:
+        time.sleep(delay)
+        if how == "raise":
+            raise ValueError(f"boom on rank {bad_rank}")
+        if how == "exit":
+            os._exit(3)
+        if how == "signal":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if how == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+    return "unreachable"
+
+
+def hang(seconds=300):
+    def deep_in_user_code():
+        time.sleep(seconds)
+
+    deep_in_user_code()
+
+
+def write_everywhere():
+    rank = int(os.environ["RANK"])
+    print(f"python print from {rank}")
+    print(f"python stderr from {rank}", file=sys.stderr)
+    os.write(1, f"c-level write from {rank}\n".encode())
+    subprocess.run(["echo", f"subprocess echo from {rank}"], check=True)
+    return rank
+
+
+def quick_then_fail():
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        return 42
+    time.sleep(1.0)
+    raise RuntimeError("late failure")
+
+
+def same_error_on_ranks_1_up():
+    rank = int(os.environ["RANK"])
+    if rank == 0:
+        time.sleep(2.0)
+        return "ok"
+    time.sleep(0.1 * rank)
+    raise KeyError("missing")
