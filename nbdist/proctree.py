@@ -76,6 +76,13 @@ def is_gone(pid: int) -> bool:
         return True
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def list_descendants(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -177,7 +184,19 @@ def stop_tree(
     report = StopReport(ranks=sum(not is_gone(p) for p in leaders))
     report.children = sum(not is_gone(p) for p in others)
 
+    cleared: set[int] = set()
+
     def alive() -> list[int]:
+        # A leader that exited leaves its group without a reason to wait (a DataLoader worker
+        # ignores SIGINT and lingers for seconds): clear that group now, while the leader is a
+        # zombie and its pid, the group's id, can't have been reused. Only then reap.
+        for pid in leaders:
+            if pid not in cleared and _is_zombie(pid):
+                cleared.add(pid)
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         if on_tick is not None:
             on_tick()
         return [p for p in (*leaders, *others) if not is_gone(p)]

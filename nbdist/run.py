@@ -119,6 +119,8 @@ class Run:
         self._subscribers = []
         self._done = threading.Event()
         self._stop_lock = threading.Lock()
+        self._pump_lock = threading.Lock()
+        self._pumped_final = False
         self._stopping: str | None = None
         self._exit_seen: dict[int, float] = {}
         self._monitor: threading.Thread | None = None
@@ -192,9 +194,14 @@ class Run:
         self._monitor.start()
 
     def _pump_output(self, final: bool = False) -> None:
-        for out in self.outputs.values():
-            for chunk in out.poll(final=final):
-                self._emit(chunk)
+        # The monitor pumps on every tick; a stop in another thread pumps one last time.
+        with self._pump_lock:
+            if self._pumped_final:
+                return
+            self._pumped_final = final
+            for out in self.outputs.values():
+                for chunk in out.poll(final=final):
+                    self._emit(chunk)
 
     def _watch(self) -> None:
         try:

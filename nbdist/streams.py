@@ -83,9 +83,12 @@ class LogFollower:
         self.offset = 0
         self.max_chunk = max_chunk
         self._fh = None
+        self._closed = False
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def read_new(self) -> str:
+        if self._closed:
+            return ""
         if self._fh is None:
             try:
                 self._fh = open(self.path, "rb")
@@ -97,6 +100,7 @@ class LogFollower:
         return self._decoder.decode(data)
 
     def close(self) -> str:
+        self._closed = True
         rest = self._decoder.decode(b"", final=True)
         if self._fh is not None:
             self._fh.close()

@@ -267,8 +267,13 @@ def run_spawned_rank(local_rank: int, run_dir: str) -> None:
     identity = spec.identity_for(local_rank)
     prepare_rank_process(run_dir, spec, identity)
     code = run_payload(run_dir, spec, identity)
-    # SystemExit passes through torch's wrapper (it only catches Exception) and sets the exit code.
-    sys.exit(code)
+    if code != 0:
+        # Failed or stopped: the error is on disk and the user's finally/except blocks have run.
+        # Interpreter shutdown would now wait up to 5 s joining DataLoader workers (which ignore
+        # SIGINT), or hang in a process group's destructor waiting for dead peers.
+        os._exit(code)
+    # A normal exit, so that the user's atexit handlers (loggers, trackers) run.
+    sys.exit(0)
 
 
 def main(argv=None) -> int:

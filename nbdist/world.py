@@ -44,7 +44,10 @@ def detect_world(env=None) -> WorldInfo | None:
     env = os.environ if env is None else env
     size = _int(env, "WORLD_SIZE")
     rank_ = _int(env, "RANK")
-    if size is not None and rank_ is not None and "LOCAL_RANK" in env:
+    mpi_vars = any(k in env for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"))
+    # Under MPI, RANK/WORLD_SIZE may be ours (attach exports them): only torchrun's own marker wins then.
+    torchrun = "TORCHELASTIC_RUN_ID" in env or not mpi_vars
+    if torchrun and size is not None and rank_ is not None and "LOCAL_RANK" in env:
         if size > 1:
             return WorldInfo("torchrun", rank_, size, _int(env, "LOCAL_RANK"), _int(env, "LOCAL_WORLD_SIZE"))
         return None

@@ -95,9 +95,8 @@ def quick_then_fail():
 
 
 def same_error_on_ranks_1_up():
-    rank = int(os.environ["RANK"])
-    if rank == 0:
-        time.sleep(2.0)
+    dist.barrier()  # all ranks are up: ranks 1-3 now fail within milliseconds of each other
+    if dist.get_rank() == 0:
+        time.sleep(5.0)
         return "ok"
-    time.sleep(0.1 * rank)
     raise KeyError("missing")

@@ -15,6 +15,11 @@ from ..world import WorldInfo
 
 __all__ = ["run_attached", "mpi_world"]
 
+# An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
+# that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
+# the same rendezvous would meet the previous round's keys.
+_KEEP = {"rendezvous": None, "gathers": 0}
+
 
 def mpi_world():
     """``(comm, rank, size, local_rank, local_size)`` from mpi4py, or a clear error without it."""
@@ -87,27 +92,20 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
         RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_size)
     )
     backend = resolve_backend(backend)
-    created = False
-    rdzv = None
     if init_process_group and not dist.is_initialized():
         bind_device(local_rank, backend)
         if comm is not None:
-            rdzv = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
+            _KEEP["rendezvous"] = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
         else:
             init = "env://" if dist_url == "auto" else dist_url
             dist.init_process_group(backend=backend, init_method=init, rank=rank, world_size=size)
-        created = True
     try:
         value = fn(*args, **kwargs)
         mine = (True, cloudpickle.dumps(value))
     except Exception as exc:
         info = describe_exception(exc)
         mine = (False, info)
-    everyone = _gather(mine, comm, size)
-    if created and dist.is_initialized():
-        dist.destroy_process_group()
-    if rdzv is not None:
-        rdzv.close()
+    everyone = _gather(mine, comm, rank, size)
     import pickle
 
     results, failures = {}, {}
@@ -124,17 +122,28 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     return results
 
 
-def _gather(mine, comm, size):
-    """Every rank's (ok, payload), on every rank: over MPI when there is MPI, else over torch."""
+def _gather(mine, comm, rank, size):
+    """Every rank's (ok, payload), on every rank.
+
+    Over MPI when there is MPI; under torchrun over the agent's own store, which needs no
+    process group (the function may have destroyed it, or never made one); else over torch.
+    """
     if comm is not None:
         return comm.allgather(mine)
+    import pickle
+
     import torch.distributed as dist
 
-    temporary = not dist.is_initialized()
-    if temporary:  # the function tore its group down, or never had one: a small gloo group for the gather
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT"):
+        _KEEP["gathers"] += 1  # every rank calls launch in the same order, so the counters agree
+        prefix = f"nbdist/gather/{_KEEP['gathers']}/"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        store.set(prefix + str(rank), pickle.dumps(mine))
+        keys = [prefix + str(r) for r in range(size)]
+        store.wait(keys)
+        return [pickle.loads(store.get(k)) for k in keys]
+    if not dist.is_initialized():
         dist.init_process_group(backend="gloo", init_method="env://")
     out = [None] * size
     dist.all_gather_object(out, mine)
-    if temporary:
-        dist.destroy_process_group()
     return out

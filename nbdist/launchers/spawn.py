@@ -18,7 +18,33 @@ from ..payload import RUN_DIR_ENV, RUN_ID_ENV
 __all__ = ["SpawnLauncher", "check_start_method"]
 
 _ENV_LOCK = threading.Lock()
+_STARTING = threading.local()
 START_METHODS = ("spawn", "fork")
+
+
+def _install_main_skipping():
+    """Make multiprocessing's spawn skip re-running ``__main__`` in our ranks (only ours).
+
+    Everything a rank runs travels by value in the run dir, so the parent's main module is not
+    needed there. Re-running it is what makes ``python -c``/stdin scripts crash in every child,
+    and unguarded scripts launch recursively. Other users of multiprocessing see no change: the
+    filter acts only in the thread that is starting our ranks.
+    """
+    import multiprocessing.spawn as mp_spawn
+
+    original = mp_spawn.get_preparation_data
+    if getattr(original, "_nbdist", False):
+        return
+
+    def get_preparation_data(name):
+        data = original(name)
+        if getattr(_STARTING, "active", False):
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+        return data
+
+    get_preparation_data._nbdist = True
+    mp_spawn.get_preparation_data = get_preparation_data
 
 
 def check_start_method(start_method: str) -> None:
@@ -85,15 +111,20 @@ class SpawnLauncher:
         # torchrun's default: N ranks on a shared CPU fight over threads otherwise.
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
             child_env["OMP_NUM_THREADS"] = "1"
+        _install_main_skipping()
         with _environ_for_children(child_env):
-            self._context = tmp.start_processes(
-                run_spawned_rank,
-                args=(run_dir,),
-                nprocs=nprocs,
-                join=False,
-                daemon=False,
-                start_method=self.start_method,
-            )
+            _STARTING.active = True
+            try:
+                self._context = tmp.start_processes(
+                    run_spawned_rank,
+                    args=(run_dir,),
+                    nprocs=nprocs,
+                    join=False,
+                    daemon=False,
+                    start_method=self.start_method,
+                )
+            finally:
+                _STARTING.active = False
         self._pids = {rank: p.pid for rank, p in enumerate(self._context.processes)}
         self._codes = dict.fromkeys(self._pids)
 

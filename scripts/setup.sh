@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Make .venv with everything nbdist, its tests and its demos need. Safe to run again: it only
+# installs when pyproject.toml changed since the last run. Sourced by demo.sh and test.sh.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+stamp=.venv/.nbdist-installed
+want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/python -m pip install -q --upgrade pip
+    # torch first and pinned: this takes the local CPU wheel. Letting a dependency pull a bare
+    # "torch" would download a CUDA build of several GB.
+    .venv/bin/python -m pip install -q "torch==2.13.0" numpy
+    .venv/bin/python -m pip install -q -e ".[test]"
+    echo "$want" > "$stamp"
+fi

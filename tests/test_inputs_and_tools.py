@@ -1,0 +1,186 @@
+"""Bad input fails before any process starts; ps/kill/CLI find leftovers by marker only; the core stays IPython-free."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+import nbdist
+from nbdist.errors import LaunchConfigError
+from nbdist.world import detect_world
+from conftest import ROOT, marked_pids, wait_for
+
+
+def _children():
+    return [p for p in psutil.Process().children(recursive=True)
+            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"nprocs": 0}, "nprocs must be an int >= 1, got 0"),
+        ({"nprocs": 1.5}, "nprocs must be an int >= 1"),
+        ({"nprocs": "2"}, "nprocs must be an int >= 1"),
+        ({"nprocs": True}, "nprocs must be an int >= 1"),
+        ({"launcher": "slurmish"}, "unknown launcher 'slurmish'"),
+        ({"dist_url": "tcp://127.0.0.1"}, "dist_url='tcp://127.0.0.1' is not valid"),
+        ({"dist_url": "http://h:1"}, "is not valid"),
+        ({"dist_url": "tcp://h:99999"}, "is not valid"),
+        ({"backend": "ncl"}, "unknown backend 'ncl'"),
+        ({"timeout": -1}, "timeout must be a positive number"),
+        ({"env": {"A=B": "1"}}, "env must be a dict"),
+        ({"start_method": "thread"}, "start_method must be one of"),
+    ],
+)
+def test_bad_options_fail_in_one_line_before_any_process(kwargs, message):
+    before = _children()
+    with pytest.raises(LaunchConfigError) as info:
+        nbdist.launch(lambda: 1, **{"nprocs": 2, **kwargs})
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert _children() == before
+
+
+def test_not_callable():
+    with pytest.raises(LaunchConfigError, match="fn must be callable, got int"):
+        nbdist.launch(3, nprocs=2)
+
+
+def test_unpicklable_argument_is_named_with_its_type():
+    lock = threading.Lock()
+    with pytest.raises(TypeError) as info:
+        nbdist.launch(lambda x, y: 1, 1, y=lock, nprocs=2)
+    text = str(info.value)
+    assert "argument 'y'" in text and "_thread.lock" in text and "\n" not in text
+    assert not _children()
+
+
+def test_env_dollar_mpi_without_mpi4py_is_one_clear_line(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(
+        "import sys; sys.modules['mpi4py'] = None\n"
+        "import nbdist\n"
+        "try:\n    nbdist.launch(lambda: 1)\n"
+        "except nbdist.LaunchConfigError as e:\n    print('ERR', e)\n"
+    )
+    env = dict(os.environ, PMI_SIZE="2", PMI_RANK="0")
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60).stdout
+    assert "ERR this kernel runs under MPI, and attaching needs mpi4py: pip install 'nbdist[mpi]'" in out, out
+
+
+def test_fork_after_cuda_is_refused(monkeypatch):
+    import torch
+
+    # No GPU here: CUDA's own state is what we fake, the check itself is real.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LaunchConfigError, match="Cannot re-initialize CUDA in forked subprocess"):
+        nbdist.launch(lambda: 1, nprocs=2, start_method="fork")
+    assert not _children()
+
+
+@pytest.mark.parametrize(
+    "env, kind, size",
+    [
+        ({}, None, None),
+        ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}, "torchrun", 4),
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, None, None),
+        ({"PMI_SIZE": "4", "PMI_RANK": "2"}, "mpi", 4),
+        ({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}, None, None),
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, None, None),
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "3"}, "slurm", 4),
+    ],
+)
+def test_detect_world_attaches_only_to_worlds_of_more_than_one(env, kind, size):
+    world = detect_world(env)
+    assert (world.kind if world else None) == kind
+    assert (world.world_size if world else None) == size
+
+
+def _orphan(run_id, **kw):
+    env = dict(os.environ, NBDIST_RUN_ID=run_id)
+    return subprocess.Popen(["sleep", "60"], env=env, start_new_session=True, **kw)
+
+
+def test_ps_and_kill_find_leftovers_by_marker_never_by_name():
+    orphan = _orphan("20990101-000000-abcdef")
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)  # same name, no marker
+    try:
+        wait_for(lambda: marked_pids("20990101-000000-abcdef"), 5, what="marked orphan")
+        listed = nbdist.ps()
+        assert [p.pid for p in listed if p.run_id == "20990101-000000-abcdef"] == [orphan.pid]
+        assert bystander.pid not in {p.pid for p in listed}
+        assert nbdist.kill("20990101-000000-abcdef") == 1
+        assert orphan.wait(timeout=5) == -signal.SIGTERM
+        assert bystander.poll() is None, "an unmarked process with the same name is never touched"
+    finally:
+        for p in (orphan, bystander):
+            p.kill()
+            p.wait()
+
+
+def test_cli_ps_and_kill():
+    orphan = _orphan("20990101-000000-c11c11")
+    try:
+        wait_for(lambda: marked_pids("20990101-000000-c11c11"), 5, what="marked orphan")
+        cli = [sys.executable, "-m", "nbdist.cli"]
+        out = subprocess.run([*cli, "ps"], capture_output=True, text=True, timeout=30).stdout
+        assert "RUN ID" in out and "20990101-000000-c11c11" in out and str(orphan.pid) in out
+        out = subprocess.run([*cli, "kill", "20990101-000000-c11c11"], capture_output=True, text=True, timeout=30).stdout
+        assert "stopped 1 process" in out
+        orphan.wait(timeout=5)
+        out = subprocess.run([*cli, "ps"], capture_output=True, text=True, timeout=30).stdout
+        assert "20990101-000000-c11c11" not in out
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
+def test_kill_stops_a_live_run_of_this_process():
+    import rankfns
+
+    run = nbdist.launch(rankfns.hang, nprocs=2, join=False, init_process_group=False)
+    wait_for(lambda: len(marked_pids(run.run_id)) == 2, 60, what="ranks up")
+    assert nbdist.kill(run.run_id) == 2
+    assert run.status == "killed"
+
+
+def test_core_imports_without_ipython_or_ipywidgets(tmp_path):
+    script = tmp_path / "core_only.py"
+    script.write_text(
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('IPython', 'ipywidgets', 'ipykernel'):\n"
+        "            raise ImportError('blocked: ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import nbdist, nbdist.run, nbdist.api, nbdist.worker, nbdist.streams, nbdist.proctree\n"
+        "import nbdist.payload, nbdist.launchers.spawn, nbdist.launchers.attach, nbdist.cli\n"
+        "def fn():\n"
+        "    return sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'ipywidgets'))\n"
+        "if __name__ == '__main__':\n"
+        "    print('RESULT', nbdist.launch(fn, nprocs=2), fn())\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert "RESULT {0: [], 1: []} []" in out.stdout, out.stdout + out.stderr
+
+
+def test_packaging_lists_agree():
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        project = tomllib.load(fh)["project"]
+    wanted = set(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted |= set(extra)
+    with open(os.path.join(ROOT, "environment.yml")) as fh:
+        text = fh.read()
+    pip_block = text.split("- pip:", 1)[1]
+    listed = {line.strip()[2:] for line in pip_block.splitlines() if line.strip().startswith("- ")}
+    assert wanted == listed, f"only in pyproject: {wanted - listed}; only in environment.yml: {listed - wanted}"
