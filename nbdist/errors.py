@@ -60,6 +60,7 @@ class RankFailure:
     exitcode: int | None
     signal_name: str | None = None
     traceback: str | None = None
+    user_traceback: str | None = None
     exc_type: str | None = None
     message: str | None = None
     hint: str | None = None
@@ -125,6 +126,26 @@ class WorkerFailedError(RuntimeError):
     def root_cause(self) -> RankFailure | None:
         return self.failures.get(self.rank) if self.rank is not None else None
 
+    def summary(self) -> str:
+        """The first line: which rank failed first, and how."""
+        return self._compose().split("\n", 1)[0]
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of nbdist's own stack: the root cause in the user's lines."""
+        lines = [f"\x1b[31mWorkerFailedError\x1b[0m: {self.summary()}"]
+        root = self.root_cause
+        others = sorted(r for r in self.failures if r != self.rank)
+        if others:
+            lines.append(f"(then {format_rank_set(others)} failed too)")
+        if root is not None and (root.user_traceback or root.traceback):
+            lines.append("")
+            lines.extend((root.user_traceback or root.traceback).rstrip().split("\n"))
+        if root is not None and root.hint:
+            lines.append(f"hint: {root.hint}")
+        if self.run_dir and root is not None:
+            lines.append(f"full traceback: {self.run_dir}/rank{root.rank}.stderr")
+        return lines
+
     def _compose(self) -> str:
         if self.rank is None:
             return self.reason or "the run failed"
@@ -167,3 +188,7 @@ class RunStoppedError(RuntimeError):
         if report is not None:
             msg += f": {report}"
         super().__init__(msg)
+
+    def _render_traceback_(self) -> list[str]:
+        """One line in a notebook: what was stopped and how fast."""
+        return [f"{self.status}: {self.report}" if self.report is not None else f"{self.status}"]

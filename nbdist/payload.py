@@ -71,6 +71,7 @@ class RunSpec:
     parent_pid: int = 0
     pdeathsig: bool = True
     start_method: str = "spawn"
+    mp_start_method: str | None = None  # the kernel's own multiprocessing default, for the rank's children
     created: float = field(default_factory=time.time)
 
     def identity_for(self, local_rank: int) -> RankIdentity:

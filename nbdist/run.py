@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import multiprocessing
 import multiprocessing.connection
 import os
 import signal
@@ -110,7 +111,7 @@ class Run:
         self.rendezvous = rendezvous
         self.ranks = {r: RankStatus(r) for r in range(spec.nprocs)}
         self.outputs = {r: RankOutput(run_dir, spec.identity_for(r).rank) for r in range(spec.nprocs)}
-        self.results: dict[int, object] = {}
+        self._results: dict[int, object] = {}
         self.error: WorkerFailedError | None = None
         self.report: proctree.StopReport | None = None
         self.started = time.monotonic()
@@ -129,6 +130,11 @@ class Run:
     @property
     def status(self) -> str:
         return self._status
+
+    @property
+    def results(self) -> dict:
+        """rank -> return value of every rank that has finished so far, in rank order."""
+        return dict(sorted(self._results.items()))
 
     @property
     def pids(self) -> dict[int, int]:
@@ -152,6 +158,10 @@ class Run:
         With ``replay``, lines already read and the current rank states are sent first, so a
         view that attaches late misses nothing the run still holds in memory.
         """
+        with self._pump_lock:  # no chunk is both replayed and delivered, or neither
+            self._subscribe_locked(callback, replay)
+
+    def _subscribe_locked(self, callback, replay: bool) -> None:
         if replay:
             for r, out in self.outputs.items():
                 by_stream: dict[str, list[str]] = {}
@@ -243,7 +253,7 @@ class Run:
             grank = self.global_rank(r)
             ok, value = payload.read_result(self.run_dir, grank)
             if code == 0 and ok:
-                self.results[grank] = value
+                self._results[grank] = value
                 self._set_rank_status(r, "finished", code)
             else:
                 self._set_rank_status(r, "failed", code)
@@ -308,6 +318,7 @@ class Run:
                             time=self._exit_seen.get(r, time.time()))
             if info is not None:
                 f.traceback, f.exc_type, f.message = info["traceback"], info["exc_type"], info["message"]
+                f.user_traceback = info.get("user_traceback")
                 f.hint, f.secondary, f.time = info.get("hint"), info.get("secondary", False), info["time"]
             elif st.exitcode == 0:
                 f.message = "exited with code 0 without returning a result"
@@ -328,7 +339,7 @@ class Run:
                 continue
             ok, value = payload.read_result(self.run_dir, grank)
             if ok and code == 0:
-                self.results[grank] = value
+                self._results[grank] = value
                 self._set_rank_status(r, "finished", code)
             else:
                 self._set_rank_status(r, status if status != "failed" else "killed", code)
@@ -367,7 +378,7 @@ class Run:
             raise
         if self.error is not None:
             raise self.error
-        return dict(sorted(self.results.items()))
+        return self.results
 
     def interrupt(self) -> proctree.StopReport:
         """Stop every rank and its children: SIGINT, then SIGTERM, then SIGKILL, one deadline."""
@@ -415,6 +426,7 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         # PDEATHSIG follows the thread that forked: only the main thread lives as long as the kernel.
         pdeathsig=threading.current_thread() is threading.main_thread(),
         start_method=start_method,
+        mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )
     payload.write_spec(run_dir, spec)
     launcher = SpawnLauncher(start_method=start_method)

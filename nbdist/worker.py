@@ -114,6 +114,11 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
     if spec.parent_pid and parent != spec.parent_pid and spec.start_method != "launcher":
         _kill_own_group()  # the kernel died before we got here
     threading.Thread(target=_watch_parent, args=(parent, 0.1), name="nbdist-parent-watch", daemon=True).start()
+    # multiprocessing's bootstrap forced "spawn" as this rank's default. A rank should behave like
+    # the kernel: on Linux a DataLoader forks, so a Dataset class defined in the cell just works.
+    import multiprocessing
+
+    multiprocessing.set_start_method(spec.mp_start_method, force=True)
     redirect_output(run_dir, identity.rank)
     export_rank_env(spec, identity)
     payload.record_pid(run_dir, identity.rank, os.getpid())
@@ -200,18 +205,37 @@ def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     return [f for f in frames if not os.path.abspath(f.filename).startswith(here + os.sep)]
 
 
+def _is_library_file(filename: str) -> bool:
+    """Installed packages and the standard library: not the user's code."""
+    import sysconfig
+
+    path = os.path.abspath(filename)
+    roots = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return "site-packages" in path or "dist-packages" in path or any(path.startswith(r + os.sep) for r in roots)
+
+
+def _format_frames(frames, exc) -> str:
+    body = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) if frames else ""
+    return body + "".join(traceback.format_exception_only(type(exc), exc))
+
+
 def describe_exception(exc: BaseException) -> dict:
-    """The error record a rank leaves in ``error.{R}.json``."""
+    """The error record a rank leaves in ``error.{R}.json``.
+
+    ``traceback`` drops nbdist's own frames; ``user_traceback`` keeps only the user's code (the
+    cell, notebook functions, the user's own modules), which is what a notebook shows.
+    """
     frames = _user_frames(exc)
     full = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    body = "Traceback (most recent call last):\n" + "".join(traceback.format_list(frames)) if frames else ""
-    body += "".join(traceback.format_exception_only(type(exc), exc))
+    body = _format_frames(frames, exc)
+    mine = [f for f in frames if not _is_library_file(f.filename)]
     text = f"{type(exc).__name__}: {exc}"
     hint = next((h for marker, h in _HINTS if marker.lower() in text.lower()), None)
     return {
         "exc_type": type(exc).__name__,
         "message": str(exc),
         "traceback": body,
+        "user_traceback": _format_frames(mine or frames, exc),
         "full_traceback": full,
         "hint": hint,
         "secondary": any(m in text for m in _PEER_LOSS_MARKERS),

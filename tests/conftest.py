@@ -34,16 +34,22 @@ def _live_descendants() -> set[int]:
     return out
 
 
+_TRACKER = "from multiprocessing.resource_tracker import main"
+
+
 def _leftovers(before: set[int]) -> dict[int, str]:
-    # The kernel-side multiprocessing resource tracker is a long-lived helper of this process,
-    # started once; it is not a run's process and carries no marker.
+    # multiprocessing's resource tracker is a helper of the process that launches (this one, or
+    # a test kernel), started once and kept for that process's life. nbdist starts it before the
+    # marked window, so it carries no marker; a tracker *with* a marker is still reported below.
     ignore = before | {_tracker_pid()}
     left = {}
     for pid in _live_descendants() - ignore:
         try:
-            left[pid] = " ".join(psutil.Process(pid).cmdline())[:120]
+            cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.NoSuchProcess:
-            pass
+            continue
+        if _TRACKER not in cmd:
+            left[pid] = cmd[:120]
     for m in proctree.find_marked():
         left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
     return left

@@ -1,0 +1,88 @@
+"""A real IPython kernel driven through jupyter_client, and what one cell sent back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jupyter_client.manager import start_new_kernel
+
+
+@dataclass
+class CellResult:
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None
+    error: dict | None = None
+    displays: list = field(default_factory=list)
+    widget_outputs: dict = field(default_factory=dict)  # comm id -> last "outputs" state
+    widget_values: dict = field(default_factory=dict)  # comm id -> last "value" state
+    seconds: float = 0.0
+
+    @property
+    def error_text(self) -> str:
+        return "\n".join(self.error["traceback"]) if self.error else ""
+
+    def widget_text(self) -> list[str]:
+        """The text of every Output widget, as the frontend would have it."""
+        return ["".join(o.get("text", "") for o in outs) for outs in self.widget_outputs.values()]
+
+
+class Kernel:
+    def __init__(self, env=None):
+        self.km, self.kc = start_new_kernel(kernel_name="python3", env=env)
+        self.outputs_by_comm: dict = {}
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
+
+    def send(self, code: str) -> str:
+        return self.kc.execute(code)
+
+    def collect(self, msg_id: str, timeout: float = 120, on_message=None) -> CellResult:
+        res = CellResult(status="?")
+        t0 = time.monotonic()
+        while True:
+            msg = self.kc.get_iopub_msg(timeout=max(0.1, timeout - (time.monotonic() - t0)))
+            t, c = msg["msg_type"], msg["content"]
+            if t == "comm_msg":  # widget updates carry the cell's parent too, but keep all
+                state = c["data"].get("state", {})
+                if "outputs" in state:
+                    self.outputs_by_comm[c["comm_id"]] = state["outputs"]
+                    res.widget_outputs[c["comm_id"]] = state["outputs"]
+                if "value" in state:
+                    res.widget_values[c["comm_id"]] = state["value"]
+            if on_message is not None:
+                on_message(msg)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if t == "status" and c["execution_state"] == "idle":
+                break
+            if t == "stream":
+                if c["name"] == "stdout":
+                    res.stdout += c["text"]
+                else:
+                    res.stderr += c["text"]
+            elif t == "execute_result":
+                res.result = c["data"].get("text/plain")
+            elif t == "display_data":
+                res.displays.append(c["data"])
+            elif t == "error":
+                res.error = c
+        reply = self.kc.get_shell_msg(timeout=30)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=30)
+        res.status = reply["content"]["status"]
+        if res.status == "error" and res.error is None:  # UsageError: shown on stderr, named in the reply
+            res.error = dict(reply["content"], traceback=reply["content"].get("traceback") or [res.stderr])
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def run(self, code: str, timeout: float = 120) -> CellResult:
+        return self.collect(self.send(code), timeout)
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=True)

@@ -1,0 +1,227 @@
+"""``%%distributed`` in a real IPython kernel, driven through jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from conftest import marked_pids, wait_for
+from kernel_client import Kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert k.run("%load_ext nbdist").status == "ok"
+    yield k
+    k.shutdown()
+
+
+LOADER_CELL = """
+import os, time, torch
+class Slow(torch.utils.data.Dataset):
+    def __len__(self): return 100000
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return i
+it = iter(torch.utils.data.DataLoader(Slow(), num_workers=2))
+next(it)
+open(os.path.join(READY, f"ready.{os.environ['RANK']}"), "w").close()
+while True:
+    next(it)
+"""
+
+
+def test_text_view_shows_every_rank_and_returns_rank_0_value(kernel):
+    res = kernel.run("%%distributed -n 2 --view text\nimport torch.distributed as dist\n"
+                     "print('hello from', dist.get_rank())\ndist.get_rank() + 40")
+    assert res.status == "ok", res.error_text
+    assert "[rank 0] hello from 0" in res.stdout and "[rank 1] hello from 1" in res.stdout
+    assert "finished: 2 ranks" in res.stdout
+    assert res.result == "40"
+    assert kernel.run("_dist.results").result == "{0: 40, 1: 41}"
+
+
+def test_widget_view_has_a_tab_per_rank(kernel):
+    res = kernel.run("%%distributed -n 2\nimport sys, torch.distributed as dist\n"
+                     "print('out of', dist.get_rank())\nprint('err of', dist.get_rank(), file=sys.stderr)")
+    assert res.status == "ok", res.error_text
+    assert any("application/vnd.jupyter.widget-view+json" in d for d in res.displays)
+    texts = res.widget_text()
+    assert any(t == "out of 0\nerr of 0\n" or ("out of 0" in t and "of 1" not in t) for t in texts), texts
+    assert any("out of 1" in t and "of 0" not in t for t in texts), texts
+    assert any("[0] out of 0" in t and "[1] out of 1" in t for t in texts), "the 'all' tab interleaves ranks"
+    stderr_outputs = [o for outs in res.widget_outputs.values() for o in outs if o.get("name") == "stderr"]
+    assert any("err of 1" in o["text"] for o in stderr_outputs), "stderr stays stderr (shown red)"
+    assert any("finished" in v for v in res.widget_values.values() if isinstance(v, str))
+
+
+def test_class_and_function_from_the_cell_work_under_ddp(kernel):
+    res = kernel.run(
+        "%%distributed -n 2 --view text\n"
+        "import inspect, torch, torch.nn as nn\n"
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.lin = nn.Linear(4, 1)\n"
+        "    def forward(self, x):\n"
+        "        return self.lin(x)\n"
+        "def step(model):\n"
+        "    torch.manual_seed(0)\n"
+        "    model(torch.randn(8, 4)).sum().backward()\n"
+        "    return [p.grad.sum().item() for p in model.parameters()]\n"
+        "torch.manual_seed(1)\n"
+        "grads = step(DDP(Net()))\n"
+        "(grads, 'def step(model)' in inspect.getsource(step), Net.__module__)"
+    )
+    assert res.status == "ok", res.error_text + res.stdout
+    values = eval(kernel.run("_dist.results").result)
+    assert values[0] == values[1], "DDP averaged the same gradients on both ranks"
+    assert values[0][1] is True and values[0][2] == "__main__"
+
+
+def test_notebook_functions_travel_and_unrelated_unpicklable_values_do_not_matter(kernel):
+    assert kernel.run("import threading\nlock = threading.Lock()\n"
+                      "def helper(x):\n    return x * SCALE\nSCALE = 3").status == "ok"
+    res = kernel.run("%%distributed -n 2 --view text\nhelper(nbdist_rank := __import__('nbdist').rank())")
+    assert res.status == "ok", res.error_text
+    assert kernel.run("_dist.results").result == "{0: 0, 1: 3}"
+    res = kernel.run("%%distributed -n 2 --view text\nwith lock:\n    pass")
+    assert res.status == "error" and res.error["ename"] == "UsageError"
+    assert "notebook variable 'lock' of type _thread.lock can't be sent to the ranks" in res.error["evalue"]
+    assert "\n" not in res.error["evalue"]
+
+
+def test_pull_brings_rank_0_values_back(kernel):
+    res = kernel.run("%%distributed -n 2 --view text --pull loss,curve\nimport os\n"
+                     "loss = 0.5 + int(os.environ['RANK'])\ncurve = [1.0, 0.7, loss]")
+    assert res.status == "ok", res.error_text
+    assert kernel.run("(loss, curve)").result == "(0.5, [1.0, 0.7, 0.5])"
+
+
+def test_failing_rank_shows_root_cause_with_the_editors_line(kernel):
+    res = kernel.run(
+        "%%distributed -n 3 --view text\n"          # line 1
+        "import torch.distributed as dist\n"        # line 2
+        "def check(r):\n"                           # line 3
+        "    if r == 1:\n"                          # line 4
+        "        raise ValueError('bad shard')\n"   # line 5
+        "check(dist.get_rank())\n"                  # line 6
+        "dist.barrier()\n"                          # line 7
+    )
+    assert res.status == "error", "Run All must stop here"
+    assert res.error["ename"] == "WorkerFailedError"
+    text = res.error_text
+    assert "rank 1 failed first" in text and "ValueError: bad shard" in text
+    assert 'cell.py", line 5, in check' in text and 'cell.py", line 6, in <module>' in text
+    assert "nbdist/worker.py" not in text and "site-packages" not in text, "only the user's frames"
+    assert "full traceback:" in text and "rank1.stderr" in text
+    assert text.count("ValueError: bad shard") == 2  # the summary line and the traceback's last line
+
+
+def test_tqdm_bar_is_one_updating_line(kernel):
+    cell = ("%%distributed -n 2 {view}\nimport time, os\nfrom tqdm import tqdm\n"
+            "if os.environ['RANK'] == '0':\n    for _ in tqdm(range(40), mininterval=0.01):\n        time.sleep(0.02)\n"
+            "print('done')")
+    res = kernel.run(cell.format(view="--view text"))
+    assert res.status == "ok", res.error_text
+    bar_lines = [line for line in res.stdout.splitlines() if "40/40" in line or "it/s" in line or "%|" in line]
+    assert len(bar_lines) == 1 and "100%" in bar_lines[0], res.stdout
+    res = kernel.run(cell.format(view=""))
+    rank0 = [t for t in res.widget_text() if "done" in t and "[0]" not in t]
+    assert rank0, res.widget_text()
+    assert all(sum("%|" in line for line in t.splitlines()) <= 1 for t in res.widget_text()), res.widget_text()
+
+
+def test_bg_returns_at_once_then_wait(kernel):
+    res = kernel.run("%%distributed -n 2 --bg --view text\nimport time\ntime.sleep(3)\n'slept'")
+    assert res.status == "ok" and res.seconds < 3.0, res.seconds
+    res = kernel.run("_dist.wait()")
+    assert res.status == "ok" and res.result == "{0: 'slept', 1: 'slept'}"
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("--nprocs 0", "--nprocs must be at least 1, got 0"),
+        ("--nprocs two", "argument -n/--nprocs: invalid int value: 'two'"),
+        ("--backend ncl", "--backend must be one of"),
+        ("--timeout -1", "--timeout must be a positive number"),
+        ("--env FOO", "--env takes KEY=VALUE pairs, got 'FOO'"),
+        ("--pull 1x", "--pull takes comma-separated variable names"),
+        ("--push not_defined_anywhere", "--push: no variable named 'not_defined_anywhere'"),
+        ("--frobnicate", "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_bad_options_are_one_clear_line(kernel, line, message):
+    res = kernel.run(f"%%distributed {line}\nprint(1)")
+    assert res.status == "error" and res.error["ename"] == "UsageError"
+    assert message in res.error["evalue"] and "\n" not in res.error["evalue"].strip(), res.error["evalue"]
+    assert not marked_pids()
+
+
+def test_interrupt_stops_ranks_and_dataloader_workers_and_the_kernel_goes_on(kernel, tmp_path):
+    kernel.run(f"READY = {str(tmp_path)!r}")
+    msg_id = kernel.send("%%distributed -n 2\n" + LOADER_CELL)
+    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
+    assert len(marked_pids()) >= 6, "2 ranks and 4 DataLoader workers"
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    res = kernel.collect(msg_id, timeout=30)
+    elapsed = time.monotonic() - t0
+    assert res.status == "error"
+    assert res.error["ename"] == "RunStoppedError", res.error_text
+    assert "interrupted: 2 ranks and 4 child processes stopped in" in res.error_text, res.error_text
+    assert elapsed < 8
+    assert not marked_pids()
+    assert kernel.run("1 + 1").result == "2"
+    assert kernel.run("_dist.status").result == "'interrupted'"
+
+
+def test_kill_through_the_run_from_another_cell(kernel, tmp_path):
+    kernel.run(f"READY = {str(tmp_path)!r}")
+    assert kernel.run("%%distributed -n 2 --bg\n" + LOADER_CELL).status == "ok"
+    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
+    res = kernel.run("print(_dist.kill())")
+    assert res.status == "ok" and "2 ranks and 4 child processes stopped" in res.stdout
+    assert not marked_pids()
+
+
+def test_dist_ps_and_dist_kill_find_a_dead_kernels_leftovers(kernel):
+    import subprocess
+
+    orphan = subprocess.Popen(["sleep", "60"], env=dict(os.environ, NBDIST_RUN_ID="20990101-000000-dead00"),
+                              start_new_session=True)
+    try:
+        wait_for(lambda: marked_pids("20990101-000000-dead00"), 5, what="orphan")
+        res = kernel.run("%dist_ps")
+        assert "20990101-000000-dead00" in res.stdout and str(orphan.pid) in res.stdout
+        assert any("Kill all" in str(d) or "application/vnd.jupyter.widget-view+json" in d for d in res.displays)
+        res = kernel.run("%dist_kill 20990101-000000-dead00")
+        assert "stopped 1 process" in res.stdout
+        orphan.wait(timeout=5)
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
+def test_kernel_sigkill_leaves_nothing_within_3_s(tmp_path):
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        k.run("%load_ext nbdist")
+        k.run(f"READY = {str(tmp_path)!r}")
+        k.send("%%distributed -n 2\n" + LOADER_CELL)
+        wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks")
+        owned = marked_pids()
+        assert len(owned) >= 6
+        os.kill(k.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: not marked_pids(), 3.0, what="ranks and grandchildren to die with the kernel")
+        print(f"kernel SIGKILL -> nothing left in {time.monotonic() - t0:.2f} s")
+    finally:
+        k.kc.stop_channels()
+        k.km.shutdown_kernel(now=True)
