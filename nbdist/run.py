@@ -252,11 +252,9 @@ class Run:
             self._exit_seen[r] = time.time()
             grank = self.global_rank(r)
             ok, value = payload.read_result(self.run_dir, grank)
-            if code == 0 and ok:
+            if ok:  # the function returned: its value is kept even if the exit went wrong after
                 self._results[grank] = value
-                self._set_rank_status(r, "finished", code)
-            else:
-                self._set_rank_status(r, "failed", code)
+            self._set_rank_status(r, "finished" if code == 0 and ok else "failed", code)
 
     def _time_out(self) -> None:
         """Dump every rank's stacks into its log, then stop the run as failed."""
@@ -338,7 +336,7 @@ class Run:
             if st.status in TERMINAL:
                 continue
             ok, value = payload.read_result(self.run_dir, grank)
-            if ok and code == 0:
+            if ok:  # returned before the stop reached it (it may have been stopped while exiting)
                 self._results[grank] = value
                 self._set_rank_status(r, "finished", code)
             else:

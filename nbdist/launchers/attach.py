@@ -114,7 +114,8 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
             results[r] = pickle.loads(data)
         else:
             failures[r] = RankFailure(
-                rank=r, pid=data.get("pid"), exitcode=None, traceback=data["traceback"], exc_type=data["exc_type"],
+                rank=r, pid=data.get("pid"), exitcode=None, traceback=data["traceback"],
+                user_traceback=data.get("user_traceback"), exc_type=data["exc_type"],
                 message=data["message"], hint=data.get("hint"), time=data["time"], secondary=data["secondary"],
             )
     if failures:

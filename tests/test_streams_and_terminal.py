@@ -1,0 +1,56 @@
+"""Line assembly as a terminal would do it, and the text view in terminal IPython."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from nbdist.errors import format_rank_set
+from nbdist.streams import LineAssembler
+
+
+def test_carriage_return_rewinds_the_line():
+    a = LineAssembler()
+    assert a.feed("10%\r") == []
+    assert a.pending == "10%"
+    assert a.feed("50%\r100%") == [] and a.pending == "100%"
+    assert a.feed("\nnext\n") == ["100%", "next"]
+    assert a.feed("keep\r\n") == ["keep"], "\\r\\n keeps the line"
+    assert a.feed("\x1b[31mred\x1b[0m\n") == ["\x1b[31mred\x1b[0m"], "ANSI colours pass through"
+    assert a.feed("tail") == [] and a.flush() == ["tail"]
+
+
+def test_chunks_split_anywhere_give_the_same_lines():
+    text = "a\rb\nccc\r\ndd\r\ree\n" * 3
+    whole = LineAssembler().feed(text)
+    for cut in range(1, len(text)):
+        a = LineAssembler()
+        assert a.feed(text[:cut]) + a.feed(text[cut:]) == whole
+
+
+def test_rank_sets():
+    assert format_rank_set([3]) == "rank 3"
+    assert format_rank_set([1, 2, 3]) == "ranks 1-3"
+    assert format_rank_set([0, 2, 3, 4, 7]) == "ranks 0,2-4,7"
+
+
+def test_terminal_ipython_gets_the_text_view(tmp_path):
+    script = tmp_path / "cells.ipy"
+    script.write_text(
+        "%%distributed -n 2\n"
+        "import os, sys, time\n"
+        "print('line from', os.environ['RANK'])\n"
+        "for i in range(5):\n"
+        "    sys.stderr.write(f'\\rprogress {i}/4'); sys.stderr.flush(); time.sleep(0.05)\n"
+        "sys.stderr.write('\\n')\n"
+    )
+    ipython = os.path.join(os.path.dirname(sys.executable), "ipython")
+    out = subprocess.run([ipython, "--no-banner", "--quick", "--colors=nocolor",
+                          "--InteractiveShellApp.exec_lines=['%load_ext nbdist']", str(script)],
+                         capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert "[rank 0] line from 0" in text and "[rank 1] line from 1" in text, text
+    assert text.count("progress") == 2, "each rank's \\r bar is printed once, in its final state"
+    assert "[rank 0!] progress 4/4" in text
+    assert "finished: 2 ranks" in text
