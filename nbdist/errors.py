@@ -132,7 +132,7 @@ class WorkerFailedError(RuntimeError):
 
     def _render_traceback_(self) -> list[str]:
         """What IPython shows instead of nbdist's own stack: the root cause in the user's lines."""
-        lines = [f"\x1b[31mWorkerFailedError\x1b[0m: {self.summary()}"]
+        lines = [f"\x1b[31m{type(self).__name__}\x1b[0m: {self.summary()}"]
         root = self.root_cause
         others = sorted(r for r in self.failures if r != self.rank)
         if others:
@@ -144,6 +144,8 @@ class WorkerFailedError(RuntimeError):
             lines.append(f"hint: {root.hint}")
         if self.run_dir and root is not None:
             lines.append(f"full traceback: {self.run_dir}/rank{root.rank}.stderr")
+        elif self.run_dir:
+            lines.append(f"logs: {self.run_dir} (%dist_logs prints them)")
         return lines
 
     def _compose(self) -> str:

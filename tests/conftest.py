@@ -17,6 +17,8 @@ from nbdist import proctree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = 5.0
+# Roots of long-lived helper trees (the test browser) whose processes come and go with pages.
+IGNORED_TREES: set[int] = set()
 
 
 def _tracker_pid():
@@ -25,7 +27,15 @@ def _tracker_pid():
 
 def _live_descendants() -> set[int]:
     out = set()
+    ignored = set(IGNORED_TREES)
+    for root in IGNORED_TREES:
+        try:
+            ignored.update(c.pid for c in psutil.Process(root).children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
     for p in psutil.Process().children(recursive=True):
+        if p.pid in ignored:
+            continue
         try:
             if p.status() != psutil.STATUS_ZOMBIE:
                 out.add(p.pid)

@@ -58,3 +58,21 @@ def test_quickstart_notebook(tmp_path):
     bars = [line for t in rank0 for line in t.splitlines() if "training:" in line and not line.startswith("[")]
     assert len(bars) == 1 and "80/80" in bars[0], bars
     assert "no nbdist processes are running" in "".join(o.get("text", "") for o in code[-1].outputs)
+
+
+@pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode"])
+def test_doc_notebooks_run(name, tmp_path):
+    nb = execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
+                          timeout=300, cwd=str(tmp_path))
+    text = "\n".join(o.get("text", "") + str(o.get("data", {}).get("text/plain", "")) + "\n".join(o.get("traceback", []))
+                     for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    if name == "02_failures_and_interrupts":
+        assert "rank 1 failed first" in text and "FileNotFoundError" in text
+        assert "timed out after 6 s" in text and "wait_for_a_message_that_never_comes" in text
+        assert "2 ranks stopped" in text and "no nbdist processes are running" in text
+    elif name == "03_launch_api":
+        assert "{0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}" in text
+        assert "first to fail: 1" in text and "results kept: {0: 'ok'}" in text
+    else:
+        assert "world of 4" in text and "world of 2" in text
+    assert not marked_pids()

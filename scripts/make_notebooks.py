@@ -1,0 +1,187 @@
+"""Write the notebooks in notebooks/ (docs that CI executes). Edit here, then run:
+
+    .venv/bin/python scripts/make_notebooks.py
+"""
+
+import os
+
+import nbformat as nbf
+
+HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "notebooks")
+md, code = nbf.v4.new_markdown_cell, nbf.v4.new_code_cell
+
+
+def raises(source):
+    """A cell that fails on purpose: nbclient lets it, and the notebook goes on."""
+    cell = code(source)
+    cell.metadata["tags"] = ["raises-exception"]
+    return cell
+
+
+def write(name, cells):
+    nb = nbf.v4.new_notebook()
+    nb.cells = cells
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbf.write(nb, os.path.join(HERE, name))
+
+
+write("01_quickstart.ipynb", [
+    md("# nbdist quickstart: DDP on 4 ranks from a notebook cell\n\n"
+       "`%%distributed` runs a cell on N PyTorch ranks (4 CPU ranks with gloo here; on a GPU machine, one per GPU "
+       "with NCCL). Each rank's output streams into its own tab; the cell's result is rank 0's last expression."),
+    code("%load_ext nbdist"),
+    md("A model and a data generator defined in the notebook. They travel to the ranks by value, so nothing "
+       "needs to live in a module."),
+    code("import torch\nimport torch.nn as nn\n\n"
+         "class TinyNet(nn.Module):\n"
+         "    def __init__(self):\n"
+         "        super().__init__()\n"
+         "        self.body = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))\n\n"
+         "    def forward(self, x):\n"
+         "        return self.body(x)\n\n"
+         "def make_batch(generator, true_w, batch=64):\n"
+         "    x = torch.randn(batch, 16, generator=generator)\n"
+         "    return x, x @ true_w + 0.01 * torch.randn(batch, 1, generator=generator)\n\n"
+         "STEPS = 80"),
+    md("Train with DDP. Each rank draws its own shard of synthetic data; gradients are averaged across ranks. "
+       "Rank 0 shows a tqdm bar (one updating line), and `--pull losses` brings rank 0's loss curve back."),
+    code("%%distributed --nprocs 4 --pull losses\n"
+         "import torch, torch.distributed as dist\n"
+         "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+         "from tqdm import tqdm\n\n"
+         "torch.manual_seed(0)\n"
+         "true_w = torch.randn(16, 1)\n"
+         "g = torch.Generator().manual_seed(1000 + dist.get_rank())\n"
+         "model = DDP(TinyNet())\n"
+         "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+         "losses = []\n"
+         "steps = range(STEPS)\n"
+         "for step in (tqdm(steps, desc='training', mininterval=0.2) if dist.get_rank() == 0 else steps):\n"
+         "    x, y = make_batch(g, true_w)\n"
+         "    loss = nn.functional.mse_loss(model(x), y)\n"
+         "    opt.zero_grad()\n"
+         "    loss.backward()\n"
+         "    opt.step()\n"
+         "    t = loss.detach().clone()\n"
+         "    dist.all_reduce(t)\n"
+         "    losses.append(t.item() / dist.get_world_size())\n"
+         "print(f'rank {dist.get_rank()}: final loss {losses[-1]:.4f}')\n"
+         "round(losses[-1], 4)"),
+    md("`losses` is now a notebook variable, and `_dist` is the run (its results, logs and status)."),
+    code("import matplotlib\nmatplotlib.use('agg')\nimport matplotlib.pyplot as plt\n%matplotlib inline\n\n"
+         "fig, ax = plt.subplots(figsize=(6, 3))\n"
+         "ax.plot(losses)\n"
+         "ax.set_xlabel('step'); ax.set_ylabel('mean loss over 4 ranks'); ax.set_yscale('log')\n"
+         "ax.set_title('DDP on 4 CPU ranks')\n"
+         "plt.show()\n"
+         "print(_dist.status, _dist.results, _dist.run_dir)"),
+    md("Nothing is left running: `%dist_ps` lists leftover ranks of any run, even of a dead kernel."),
+    code("%dist_ps"),
+])
+
+write("02_failures_and_interrupts.ipynb", [
+    md("# When things go wrong\n\n"
+       "A failing rank, a hang, and processes left behind: what nbdist shows, and how nothing keeps running."),
+    code("%load_ext nbdist"),
+    md("## A failing rank\n\nRank 1 raises while rank 0 waits in a collective. The others are stopped at once "
+       "(no waiting for a collective's timeout), and the cell ends with the root cause: the first rank to fail, its "
+       "pid and exit code, and the traceback in this cell's own line numbers."),
+    raises("%%distributed --nprocs 2\n"
+           "import torch.distributed as dist\n"
+           "def load_shard(rank):\n"
+           "    if rank == 1:\n"
+           "        raise FileNotFoundError(f'shard-{rank}.pt')\n"
+           "load_shard(dist.get_rank())\n"
+           "dist.barrier()"),
+    code("err = _dist.error\nprint(err.rank, err.failures[err.rank].exc_type, err.failures[err.rank].exitcode)"),
+    md("## A hang, stopped by `--timeout`\n\nWhen the timeout expires every rank's Python stack is dumped into its log "
+       "(faulthandler), then the run is stopped."),
+    raises("%%distributed --nprocs 2 --timeout 6\n"
+           "import time\n"
+           "def wait_for_a_message_that_never_comes():\n"
+           "    time.sleep(600)\n"
+           "wait_for_a_message_that_never_comes()"),
+    code("%dist_logs 0"),
+    md("## Leftovers: `%dist_ps` and Kill\n\n`--bg` returns at once. `%dist_ps` lists every live process that "
+       "carries a run's marker (also those of a kernel that died), with a Kill-all button; `_dist.kill()` or "
+       "`%dist_kill` do the same from code."),
+    code("%%distributed --nprocs 2 --bg\nimport time\ntime.sleep(600)"),
+    code("import time\nwhile len(__import__('nbdist').ps(_dist.run_id)) < 2:\n    time.sleep(0.2)\n%dist_ps"),
+    code("print(_dist.kill())\n%dist_ps"),
+])
+
+write("03_launch_api.ipynb", [
+    md("# `nbdist.launch`: the engine from code\n\nThe same engine as `%%distributed`, for a plain function. "
+       "Lambdas, closures and functions or classes defined in the notebook travel by value."),
+    code("import nbdist, torch, torch.distributed as dist\n\n"
+         "def total(x):\n"
+         "    t = torch.tensor([x * (dist.get_rank() + 1)])\n"
+         "    dist.all_reduce(t)\n"
+         "    return t.item()\n\n"
+         "nbdist.launch(total, 1.0, nprocs=4)"),
+    md("`join=False` returns a `Run` at once: the kernel stays free while the ranks work."),
+    code("import time\n\n"
+         "def slow_square(x):\n"
+         "    time.sleep(1)\n"
+         "    return (nbdist.rank(), x * x)\n\n"
+         "run = nbdist.launch(slow_square, 7, nprocs=3, join=False, init_process_group=False)\n"
+         "print(run.status, run.nprocs, sorted(run.pids))"),
+    code("run.wait()"),
+    code("print(run.status, run.results)\nprint(open(f'{run.run_dir}/rank0.stdout').read() or '(rank 0 printed nothing)')"),
+    md("A failure raises `WorkerFailedError`; the ranks that finished keep their results."),
+    code("def picky():\n"
+         "    if nbdist.rank() == 1:\n"
+         "        time.sleep(0.5)\n"
+         "        raise ValueError('rank 1 disagrees')\n"
+         "    return 'ok'\n\n"
+         "try:\n"
+         "    nbdist.launch(picky, nprocs=2, init_process_group=False)\n"
+         "except nbdist.WorkerFailedError as err:\n"
+         "    print('first to fail:', err.rank)\n"
+         "    print('results kept:', err.results)"),
+    code("nbdist.ps()"),
+])
+
+write("04_multinode.ipynb", [
+    md("# Beyond one machine: attach, torchrun, MPI\n\n"
+       "nbdist never runs a cluster manager of its own. On a cluster, the engines the cluster already has start the "
+       "processes, and nbdist runs *inside* them.\n\n"
+       "**Attach.** A kernel (or script) that already is a rank of a torchrun, MPI or Slurm world runs "
+       "`nbdist.launch(fn)` and `%%distributed` in place, as its rank: no new process, and every rank gets the "
+       "gathered `{rank: value}` dict. Under MPI, rank and size come from mpi4py, rank 0 hosts the rendezvous store "
+       "and broadcasts its address, and `local_rank` comes from a shared-memory split of COMM_WORLD (so it is right "
+       "on several nodes). A world of one does not attach: it spawns."),
+    code("import nbdist\nfrom nbdist.world import detect_world\nprint('this kernel:', detect_world())"),
+    md("Below, a script that calls `nbdist.launch(fn)` runs under real engines on this machine."),
+    code("%%writefile attach_demo.py\n"
+         "import os, nbdist, torch, torch.distributed as dist\n\n"
+         "def where():\n"
+         "    t = torch.ones(1)\n"
+         "    dist.all_reduce(t)\n"
+         "    return (int(os.environ['LOCAL_RANK']), t.item())\n\n"
+         "if __name__ == '__main__':\n"
+         "    results = nbdist.launch(where)\n"
+         "    if nbdist.rank() == 0:\n"
+         "        print('world of', len(results), results, flush=True)"),
+    md("Under `mpiexec` (pip's `mpich`; install with `pip install 'nbdist[mpi]'`):"),
+    code("import os, subprocess, sys\n"
+         "bindir = os.path.dirname(sys.executable)\n"
+         "env = dict(os.environ, OMP_NUM_THREADS='1')\n"
+         "out = subprocess.run([os.path.join(bindir, 'mpiexec'), '-n', '4', sys.executable, 'attach_demo.py'],\n"
+         "                     capture_output=True, text=True, env=env, timeout=300)\n"
+         "print(out.stdout)"),
+    md("Under `torchrun` (here `--standalone`; across nodes, `--nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT`):"),
+    code("out = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2',\n"
+         "                      'attach_demo.py'], capture_output=True, text=True, env=env, timeout=300)\n"
+         "print(out.stdout)"),
+    md("## Kernels on several nodes\n\n"
+       "Start one kernel per node under the engine, for example one ipyparallel MPI engine per node "
+       "(`ipcluster start -n 4 --engines=mpi`) or a kernel under `srun --mpi=pmi2`, then `%%distributed` in each runs "
+       "the cell as that rank, with the process group kept between cells.\n\n"
+       "## Launchers for more than one machine\n\n"
+       "`launch(..., launcher='torchrun' | 'mpirun' | 'srun', nnodes=..., node_rank=..., master_addr=...)` builds the "
+       "engine's own command (`torchrun --rdzv-backend c10d ...`, `mpirun -np N`, `srun -n N`) around the same worker, "
+       "`python -m nbdist.worker RUN_DIR`, with the run dir on a shared path. These launchers are the next step of the "
+       "roadmap; today the spawn launcher and attach are available."),
+    code("os.remove('attach_demo.py')"),
+])

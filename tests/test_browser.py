@@ -1,0 +1,254 @@
+"""The widget view in a real JupyterLab, driven like a person would, in headless Chromium.
+
+Needs Debian's ``chromium``, and ``playwright`` and ``jupyterlab`` from PyPI (``.ci/run`` installs
+them). Playwright drives /usr/bin/chromium; ``playwright install`` is never run. Every step saves
+a screenshot under ``.artifacts/screenshots``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import nbformat
+import psutil
+import pytest
+
+import conftest
+from conftest import ROOT, marked_pids, wait_for
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SHOTS = os.path.join(ROOT, ".artifacts", "screenshots")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _missing() -> str | None:
+    if not os.path.exists(CHROMIUM):
+        return "Debian's chromium is not installed (apt-get install chromium)"
+    for module in ("playwright", "jupyterlab"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install {module})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    reason = _missing()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"browser suite can't run in CI: {reason}")
+        pytest.skip(reason)
+    home = tmp_path_factory.mktemp("labhome")
+    root = tmp_path_factory.mktemp("labroot")
+    settings = home / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false",
+                                                                          "checkForUpdates": False}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = "nbdist-browser-test"
+    env = dict(os.environ, HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "config"),
+               JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0"]
+    if os.getuid() == 0:
+        cmd.append("--allow-root")
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(home / "lab.log", "wb"))
+    base = f"http://127.0.0.1:{port}"
+
+    def api(path, method="GET"):
+        req = urllib.request.Request(f"{base}{path}", method=method, headers={"Authorization": f"token {token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def up():
+        try:
+            return api("/api/status") is not None
+        except OSError:
+            return False
+
+    wait_for(up, 60, interval=0.2, what="jupyter lab to answer")
+    from playwright.sync_api import sync_playwright
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    pw = sync_playwright().start()
+    browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+    # The browser's own helper processes come and go with pages; they are not a run's processes.
+    conftest.IGNORED_TREES.update(p.pid for p in psutil.Process().children(recursive=True)
+                                  if p.pid not in before)
+    os.makedirs(SHOTS, exist_ok=True)
+    print(f"\nscreenshots: {SHOTS}")
+    yield {"base": base, "token": token, "root": root, "api": api, "browser": browser}
+    browser.close()
+    pw.stop()
+    server.terminate()
+    server.wait(timeout=20)
+
+
+class Notebook:
+    """One notebook open in JupyterLab, with its cells run the way a person runs them."""
+
+    def __init__(self, lab, name, cells):
+        self.lab, self.name = lab, name
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        nbformat.write(nb, os.path.join(lab["root"], f"{name}.ipynb"))
+        self.page = lab["browser"].new_page(viewport={"width": 1280, "height": 900})
+        self.page.goto(f"{lab['base']}/lab/tree/{name}.ipynb?token={lab['token']}")
+        self.page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+        wait_for(self._kernel_idle, 60, interval=0.2, what="the notebook's kernel to be idle")
+        self.shot_no = 0
+
+    def _kernel_idle(self):
+        sessions = [s for s in self.lab["api"]("/api/sessions") if s["path"].endswith(f"{self.name}.ipynb")]
+        return sessions and sessions[0]["kernel"]["execution_state"] == "idle"
+
+    def cell(self, i):
+        return self.page.locator(".jp-Notebook .jp-Cell").nth(i)
+
+    def output(self, i):
+        return self.cell(i).locator(".jp-Cell-outputArea")
+
+    def run(self, i):
+        self.cell(i).locator(".jp-InputArea-editor").click()
+        self.page.keyboard.press("Shift+Enter")
+
+    def wait_done(self, i, timeout=120):
+        """The cell's prompt shows a number (not "*") once it has run."""
+        prompt = self.cell(i).locator(".jp-InputArea-prompt")
+        wait_for(lambda: (prompt.inner_text() or "").strip() not in ("", "[*]:", "[ ]:"), timeout,
+                 interval=0.2, what=f"cell {i} to finish")
+
+    def shot(self, step):
+        self.shot_no += 1
+        path = os.path.join(SHOTS, f"{self.name}-{self.shot_no:02d}-{step}.png")
+        self.page.screenshot(path=path, full_page=True)
+        return path
+
+    def close(self):
+        self.page.close()
+        for s in self.lab["api"]("/api/sessions"):
+            if s["path"].endswith(f"{self.name}.ipynb"):
+                self.lab["api"](f"/api/sessions/{s['id']}", method="DELETE")
+
+
+@pytest.fixture
+def notebook(lab):
+    opened = []
+
+    def open_(name, *cells):
+        nb = Notebook(lab, name, ["%load_ext nbdist", *cells])
+        opened.append(nb)
+        nb.run(0)
+        nb.wait_done(0)
+        return nb
+
+    yield open_
+    for nb in opened:
+        nb.close()
+
+
+def test_tabs_per_rank_and_badges_turn_finished(notebook):
+    nb = notebook("tabs", "%%distributed --nprocs 2\nimport os\nprint(f\"hello from rank {os.environ['RANK']}\")")
+    nb.run(1)
+    out = nb.output(1)
+    out.locator(".lm-TabBar-tab", has_text="rank 1").wait_for(timeout=60_000)
+    nb.wait_done(1)
+    labels = [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
+    assert labels == ["all", "✓ rank 0", "✓ rank 1"], labels
+    nb.shot("all-tab")
+    out.locator(".lm-TabBar-tab", has_text="rank 1").click()
+    panel = out.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)")
+    panel.get_by_text("hello from rank 1").wait_for(timeout=10_000)
+    assert panel.get_by_text("finished").count() >= 1
+    assert panel.get_by_text("hello from rank 0").count() == 0
+    nb.shot("rank-1-tab")
+
+
+def test_kill_button_stops_ranks_and_dataloader_workers(notebook, tmp_path):
+    nb = notebook(
+        "kill",
+        "%%distributed --nprocs 2\nimport time, torch\n"
+        "class Slow(torch.utils.data.Dataset):\n"
+        "    def __len__(self): return 10**6\n"
+        "    def __getitem__(self, i):\n"
+        "        time.sleep(0.05)\n"
+        "        return i\n"
+        "for i, batch in enumerate(torch.utils.data.DataLoader(Slow(), num_workers=2)):\n"
+        "    if i % 20 == 0:\n"
+        "        print('batch', i, flush=True)",
+    )
+    nb.run(1)
+    out = nb.output(1)
+    wait_for(lambda: len(marked_pids()) >= 6, 90, what="2 ranks with 2 DataLoader workers each")
+    out.get_by_text("batch 0").first.wait_for(timeout=60_000)
+    nb.shot("running")
+    out.get_by_role("button", name="Kill").click()
+    nb.wait_done(1, timeout=30)
+    wait_for(lambda: not marked_pids(), 10, what="nothing left after Kill")
+    out.get_by_text("killed: 2 ranks and 4 child processes stopped").wait_for(timeout=10_000)
+    labels = [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
+    assert labels == ["all", "■ rank 0", "■ rank 1"], labels
+    nb.shot("killed")
+
+
+def test_tqdm_bar_is_one_line(notebook):
+    nb = notebook("tqdm", "%%distributed --nprocs 2\nimport os, time\nfrom tqdm import tqdm\n"
+                          "if os.environ['RANK'] == '0':\n"
+                          "    for _ in tqdm(range(60), desc='epoch', mininterval=0.05):\n"
+                          "        time.sleep(0.03)\n")
+    nb.run(1)
+    nb.wait_done(1)
+    out = nb.output(1)
+    out.locator(".lm-TabBar-tab", has_text="rank 0").click()
+    panel = out.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)")
+    text = panel.locator(".jp-OutputArea").first.inner_text()
+    bars = [line for line in text.splitlines() if "epoch" in line]
+    assert len(bars) == 1 and "60/60" in bars[0], text
+    nb.shot("tqdm")
+
+
+def test_failing_cell_shows_root_cause_with_cell_line(notebook):
+    nb = notebook("fail", "%%distributed --nprocs 2\nimport torch.distributed as dist\n"
+                          "if dist.get_rank() == 1:\n    raise ValueError('bad shard')\ndist.barrier()")
+    nb.run(1)
+    nb.wait_done(1)
+    err = nb.output(1).locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']").last
+    err.wait_for(timeout=30_000)
+    text = err.inner_text()
+    assert "rank 1 failed first" in text and "ValueError: bad shard" in text
+    assert 'cell.py", line 4' in text, text
+    nb.shot("failed")
+
+
+def test_interrupt_button_leaves_nothing_and_next_cell_runs(notebook):
+    nb = notebook("interrupt", "%%distributed --nprocs 2\nimport time\nprint('sleeping', flush=True)\ntime.sleep(600)",
+                  "print('next cell ran')")
+    nb.run(1)
+    wait_for(lambda: len(marked_pids()) >= 2, 90, what="ranks up")
+    nb.output(1).get_by_text("sleeping").first.wait_for(timeout=60_000)
+    nb.page.locator("jp-button[data-command='notebook:interrupt-kernel'], "
+                    "button[data-command='notebook:interrupt-kernel']").first.click()
+    nb.wait_done(1, timeout=30)
+    wait_for(lambda: not marked_pids(), 10, what="nothing left after the interrupt")
+    nb.output(1).get_by_text("interrupted: 2 ranks").first.wait_for(timeout=10_000)
+    nb.shot("interrupted")
+    nb.run(2)
+    nb.wait_done(2)
+    nb.output(2).get_by_text("next cell ran").wait_for(timeout=10_000)
+    nb.shot("next-cell")
