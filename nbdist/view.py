@@ -136,6 +136,7 @@ class WidgetView(_Buffered):
         self._shown_all: collections.deque = collections.deque(maxlen=MAX_VIEW_LINES)
         self._appended: dict[object, int] = {}
         self._last_status_draw = 0.0
+        self._showed_root = False
         out_layout = dict(max_height="320px", overflow="auto", border="1px solid #e0e0e0", padding="2px 6px")
         self.outputs = {r: w.Output(layout=w.Layout(**out_layout)) for r in self._ranks}
         self.output_all = w.Output(layout=w.Layout(**out_layout))
@@ -156,7 +157,9 @@ class WidgetView(_Buffered):
         self._set_titles()
         header = w.HBox([self.title, self.kill_button],
                         layout=w.Layout(justify_content="space-between", align_items="center"))
-        self.widget = w.VBox([header, self.tabs, self.footer, note], layout=w.Layout(width="100%"))
+        style = w.HTML(_VIEW_CSS, layout=w.Layout(display="none"))
+        self.widget = w.VBox([style, header, self.tabs, self.footer, note], layout=w.Layout(width="100%"))
+        self.widget.add_class("nbdist-view")
         self._draw_status()
         run.subscribe(self.on_event)
 
@@ -202,9 +205,13 @@ class WidgetView(_Buffered):
         self._set_titles()
         if run.done:
             self.kill_button.disabled = True
-            colour = "#137333" if run.status == "finished" else "#b3261e"
+            colour = BADGE_COLOURS.get(run.status, ("#333", ""))[0]
             self.footer.value = (f"<div style='color:{colour};font-size:12px;margin-top:4px'>"
                                  f"{html.escape(format_report_line(run))}</div>")
+            root = getattr(run.error, "rank", None)
+            if root is not None and not self._showed_root and root in self._ranks:
+                self._showed_root = True  # open the tab of the rank that failed first, once
+                self.tabs.selected_index = 1 + self._ranks.index(root)
 
     def _append(self, out, deque_, lines) -> None:
         """Append in one message per stream run; rebuild from the bounded deque when too long."""
@@ -275,6 +282,14 @@ class WidgetView(_Buffered):
         from IPython.display import display
 
         display(self.widget)
+
+
+# Compact tabs that size to their label; output that scrolls inside its tab.
+_VIEW_CSS = """<style>
+.nbdist-view .lm-TabBar-tab { flex: 0 1 auto !important; min-width: 64px !important; max-width: 130px !important;
+  padding: 0 12px !important; }
+.nbdist-view .jp-OutputArea-output pre { font-size: 12px; line-height: 1.35; }
+</style>"""
 
 
 def _strip_ansi(text: str) -> str:

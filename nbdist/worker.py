@@ -265,7 +265,7 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity) -> int:
         else:
             info = describe_exception(exc)
             payload.write_error(run_dir, identity.rank, info)
-            sys.stderr.write(info["full_traceback"])
+            sys.stderr.write(info["traceback"])  # nbdist's frames left out; error.{R}.json has them all
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     finally:
         _flush_std()

@@ -109,8 +109,9 @@ class Notebook:
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
         nbformat.write(nb, os.path.join(lab["root"], f"{name}.ipynb"))
         self.page = lab["browser"].new_page(viewport={"width": 1280, "height": 900})
-        self.page.goto(f"{lab['base']}/lab/tree/{name}.ipynb?token={lab['token']}")
-        self.page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=60_000)
+        # A workspace of its own, reset: JupyterLab must not reopen an earlier test's notebook.
+        self.page.goto(f"{lab['base']}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={lab['token']}")
+        self.cell(0).wait_for(timeout=60_000)
         wait_for(self._kernel_idle, 60, interval=0.2, what="the notebook's kernel to be idle")
         self.shot_no = 0
 
@@ -119,7 +120,7 @@ class Notebook:
         return sessions and sessions[0]["kernel"]["execution_state"] == "idle"
 
     def cell(self, i):
-        return self.page.locator(".jp-Notebook .jp-Cell").nth(i)
+        return self.page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell").nth(i)
 
     def output(self, i):
         return self.cell(i).locator(".jp-Cell-outputArea")
@@ -143,8 +144,7 @@ class Notebook:
     def close(self):
         self.page.close()
         for s in self.lab["api"]("/api/sessions"):
-            if s["path"].endswith(f"{self.name}.ipynb"):
-                self.lab["api"](f"/api/sessions/{s['id']}", method="DELETE")
+            self.lab["api"](f"/api/sessions/{s['id']}", method="DELETE")
 
 
 @pytest.fixture
@@ -201,7 +201,7 @@ def test_kill_button_stops_ranks_and_dataloader_workers(notebook, tmp_path):
     out.get_by_role("button", name="Kill").click()
     nb.wait_done(1, timeout=30)
     wait_for(lambda: not marked_pids(), 10, what="nothing left after Kill")
-    out.get_by_text("killed: 2 ranks and 4 child processes stopped").wait_for(timeout=10_000)
+    out.get_by_text("killed: 2 ranks and 4 child processes stopped").first.wait_for(timeout=10_000)
     labels = [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
     assert labels == ["all", "■ rank 0", "■ rank 1"], labels
     nb.shot("killed")
