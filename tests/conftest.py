@@ -117,3 +117,10 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
 
 def marked_pids(run_id=None) -> set[int]:
     return {m.pid for m in proctree.find_marked(run_id)}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say where the browser suite's screenshots are, for a person to look at."""
+    shots = os.path.join(ROOT, ".artifacts", "screenshots")
+    if os.path.isdir(shots) and os.listdir(shots):
+        terminalreporter.write_line(f"browser screenshots: {shots} ({len(os.listdir(shots))} PNG files)")
