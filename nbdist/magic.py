@@ -186,17 +186,25 @@ def _stop_and_raise(run, view):
     raise run.error from None
 
 
-def run_cell_sync(shell, magic_fn, line: str, cell: str):
-    """The cell, run by the plain cell magic (terminal IPython, or ``%autoawait off``)."""
-    job = prepare_cell(shell, magic_fn, line, cell)
+def _launch_cell(shell, line: str, cell: str):
+    """Prepare and start the cell; return ``(job, run, view)``, or ``(job, None, value)`` when the
+    kernel is itself a rank and ran the cell in place."""
+    job = prepare_cell(shell, DistributedMagics.distributed, line, cell)
     if _attached(job):
-        return _run_attached_cell(shell, job)
+        return job, None, _run_attached_cell(shell, job)
     run = start_cell(shell, job)
     view = make_view(run, job.args.view)
     _show(view)
     if job.args.bg:
         view.start_flusher()
-        return None
+    return job, run, view
+
+
+def run_cell_sync(shell, line: str, cell: str):
+    """The cell, run by the plain cell magic (terminal IPython, or ``%autoawait off``)."""
+    job, run, view = _launch_cell(shell, line, cell)
+    if run is None or job.args.bg:
+        return view if run is None else None
     try:
         while not run.done:
             view.flush()
@@ -212,16 +220,9 @@ async def run_cell_async(line: str, cell: str):
     from IPython import get_ipython
 
     shell = get_ipython()
-    magic_fn = DistributedMagics.distributed
-    job = prepare_cell(shell, magic_fn, line, cell)
-    if _attached(job):
-        return _run_attached_cell(shell, job)
-    run = start_cell(shell, job)
-    view = make_view(run, job.args.view)
-    _show(view)
-    if job.args.bg:
-        view.start_flusher()
-        return None
+    job, run, view = _launch_cell(shell, line, cell)
+    if run is None or job.args.bg:
+        return view if run is None else None
     try:
         while not run.done:
             view.flush()
@@ -280,7 +281,7 @@ class DistributedMagics(Magics):
             loss = train(model)          # train and model come from the notebook
             dist.get_rank()
         """
-        return run_cell_sync(self.shell, DistributedMagics.distributed, line, cell)
+        return run_cell_sync(self.shell, line, cell)
 
     @line_magic
     def dist_ps(self, line):
