@@ -101,7 +101,12 @@ def _watch_parent(parent_pid: int, interval: float) -> None:
 
 
 def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, own_group: bool = True) -> None:
-    """Everything that makes this process a well-behaved rank, before any user code runs."""
+    """Everything that makes this process a well-behaved rank, before any user code runs.
+
+    ``own_group`` is True for ranks the kernel spawned itself: their parent must be the kernel,
+    and they lead their own process group. Ranks started by an engine (torchrun, mpirun) keep
+    the engine's group and watch the engine's agent as their parent.
+    """
     parent = os.getppid()
     if own_group:
         try:
@@ -111,7 +116,7 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
     if spec.pdeathsig:
         signal.signal(PARENT_DIED_SIGNAL, _kill_own_group)
         _set_pdeathsig(PARENT_DIED_SIGNAL)
-    if spec.parent_pid and parent != spec.parent_pid and spec.start_method != "launcher":
+    if own_group and spec.parent_pid and parent != spec.parent_pid:
         _kill_own_group()  # the kernel died before we got here
     threading.Thread(target=_watch_parent, args=(parent, 0.1), name="nbdist-parent-watch", daemon=True).start()
     # multiprocessing's bootstrap forced "spawn" as this rank's default. A rank should behave like
