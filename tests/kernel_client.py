@@ -31,7 +31,9 @@ class CellResult:
 
 class Kernel:
     def __init__(self, env=None):
-        self.km, self.kc = start_new_kernel(kernel_name="python3", env=env)
+        import os
+
+        self.km, self.kc = start_new_kernel(kernel_name="python3", env=dict(os.environ) if env is None else env)
         self.outputs_by_comm: dict = {}
 
     @property

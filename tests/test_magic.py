@@ -225,3 +225,10 @@ def test_kernel_sigkill_leaves_nothing_within_3_s(tmp_path):
     finally:
         k.kc.stop_channels()
         k.km.shutdown_kernel(now=True)
+
+
+def test_launch_from_a_notebook_shows_the_notebook_source_line(kernel):
+    kernel.run("import nbdist\ndef boom():\n    x = 1\n    raise KeyError('from the notebook')\n")
+    res = kernel.run("nbdist.launch(boom, nprocs=2, init_process_group=False)")
+    assert res.status == "error" and res.error["ename"] == "WorkerFailedError"
+    assert "line 4, in boom" in res.error_text and "raise KeyError('from the notebook')" in res.error_text
