@@ -66,16 +66,6 @@ class RunEvent:
     detail: object = None
 
 
-def _exited_unreaped(pid: int) -> bool:
-    """True when ``pid`` (our child) has exited, without reaping it: its pid, and so its process
-    group id, stays reserved while we clean up after it."""
-    try:
-        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return True
-    return info is not None
-
-
 class Run:
     """A run of a function on N ranks. Made by :func:`nbdist.launch` with ``join=False``.
 
@@ -224,6 +214,7 @@ class Run:
                 self._pump_output()
                 if self._stopping:
                     continue  # whoever is stopping the run finishes it
+                self._track_pids()
                 self._reap_exited()
                 failed = [r for r, st in self.ranks.items() if st.status == "failed"]
                 if failed:
@@ -236,19 +227,17 @@ class Run:
             log.exception("nbdist monitor failed; stopping the run")
             self._stop("failed", KILL_LADDER, timeout=2.0, reason="internal error in nbdist's monitor")
 
+    def _track_pids(self) -> None:
+        """Ranks an engine starts appear when they register; spawned ranks are known at once."""
+        for r, pid in self.launcher.pids.items():
+            st = self.ranks.get(r)
+            if st is not None and st.pid is None:
+                st.pid = pid
+                self._set_rank_status(r, "running")
+
     def _reap_exited(self) -> None:
-        recorded = None
-        for r, st in self.ranks.items():
-            if st.status in TERMINAL or st.pid is None or not _exited_unreaped(st.pid):
-                continue
-            if recorded is None:
-                recorded = set(payload.read_pids(self.run_dir).values())
-            if st.pid in recorded:
-                # The rank led its own group; its pid is still reserved (not reaped yet), so this
-                # reaches only what it left behind.
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(st.pid, signal.SIGKILL)
-            code = self.launcher.poll().get(r)
+        known = {r for r, st in self.ranks.items() if st.status in TERMINAL}
+        for r, code in self.launcher.collect_exited(self.run_dir, known).items():
             self._exit_seen[r] = time.time()
             grank = self.global_rank(r)
             ok, value = payload.read_result(self.run_dir, grank)
@@ -293,7 +282,7 @@ class Run:
             self._done.wait()
             return self.report
         interrupted = None
-        leaders = [st.pid for st in self.ranks.values() if st.pid and st.status not in TERMINAL]
+        leaders = self.launcher.leaders()
         try:
             report = proctree.stop_tree(leaders, self.run_id, signals, timeout=timeout, on_tick=self.launcher.poll)
         except KeyboardInterrupt as exc:  # a second Ctrl-C: skip to SIGKILL, but never leave half a tree

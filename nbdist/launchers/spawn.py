@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import threading
 from dataclasses import dataclass
 
 from ..errors import LaunchConfigError
-from ..payload import RUN_DIR_ENV, RUN_ID_ENV
+from ..payload import RUN_DIR_ENV, RUN_ID_ENV, read_pids
 
 __all__ = ["SpawnLauncher", "check_start_method"]
 
@@ -61,6 +62,16 @@ def check_start_method(start_method: str) -> None:
                 "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' (the default), "
                 "or restart the kernel and launch before touching CUDA"
             )
+
+
+def _exited_unreaped(pid: int) -> bool:
+    """True when ``pid`` (our child) has exited, without reaping it: its pid, and so its process
+    group id, stays reserved while we clean up after it."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
 
 
 @contextlib.contextmanager
@@ -145,6 +156,28 @@ class SpawnLauncher:
                 if self._codes[rank] is None:
                     self._codes[rank] = p.exitcode
         return dict(self._codes)
+
+    def collect_exited(self, run_dir: str, known: set[int]) -> dict[int, int]:
+        """Ranks (not in ``known``) that exited since the last call -> exit code.
+
+        What a rank left in its process group (a DataLoader worker it never joined) is killed
+        before the rank is reaped, while its pid, the group's id, is still reserved.
+        """
+        out, recorded = {}, None
+        for rank, pid in self._pids.items():
+            if rank in known or not _exited_unreaped(pid):
+                continue
+            if recorded is None:
+                recorded = set(read_pids(run_dir).values())
+            if pid in recorded:  # it reached setsid: it leads its own group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+            out[rank] = self.poll()[rank]
+        return out
+
+    def leaders(self) -> list[int]:
+        """What a stop signals first: every rank's group."""
+        return [pid for rank, pid in self._pids.items() if self._codes.get(rank) is None]
 
     def close(self) -> None:
         """Release the handles of exited ranks (their pipes); running ones stay open."""
