@@ -45,7 +45,8 @@ def _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env):
 
 
 def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="auto", init_process_group=True,
-           timeout=None, env=None, join=True, start_method="spawn", run_dir=None, stop_timeout=5.0, **kwargs):
+           timeout=None, env=None, join=True, start_method="spawn", run_dir=None, stop_timeout=5.0,
+           launcher_args=None, master_addr="127.0.0.1", **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` PyTorch ranks and return every rank's value.
 
     Parameters
@@ -56,9 +57,10 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     nprocs : int, optional
         Number of ranks. Default: the attached world's size when attaching, else the number of
         GPUs (2 on a machine without one).
-    launcher : {"auto", "spawn", "attach"}
+    launcher : {"auto", "spawn", "attach", "mpirun"}
         "auto" attaches when this process already is a rank of a torchrun or MPI world of more
-        than one rank, and spawns otherwise.
+        than one rank, and spawns otherwise. "mpirun" starts the ranks with
+        ``mpiexec -n N [launcher_args] python -m nbdist.worker RUN_DIR``.
     dist_url : str
         "auto" (a loopback port that the kernel holds for the run), "env://" or "tcp://HOST:PORT".
     backend : str
@@ -75,6 +77,10 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
         How torch starts the ranks. "fork" is refused once CUDA is initialised here.
     run_dir : str, optional
         Folder under which the run dir is made (default ``$NBDIST_RUN_DIR`` or a private temp folder).
+    launcher_args : list of str, optional
+        Extra arguments for the engine (``["--hostfile", "hosts"]`` for mpirun).
+    master_addr : str
+        Where the kernel's rendezvous store listens: 127.0.0.1 unless ranks run on other machines.
 
     Returns
     -------
@@ -102,6 +108,8 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
 
     _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env)
     world = detect_world() if launcher in ("auto", "attach") else None
+    if launcher_args is not None and launcher in ("auto", "spawn", "attach"):
+        raise LaunchConfigError(f"launcher_args are for an engine (launcher='mpirun'), not launcher={launcher!r}")
     if launcher == "attach" and world is None:
         raise LaunchConfigError("launcher='attach' needs a torchrun, MPI or Slurm world of more than one rank around this process")
     if world is not None:
@@ -114,10 +122,16 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
             )
         return run_attached(fn, args, kwargs, world, dist_url=dist_url, backend=backend,
                             init_process_group=init_process_group)
+    engine = None
+    if launcher == "mpirun":
+        from .launchers.mpirun import MpirunLauncher, find_mpiexec
+
+        find_mpiexec()  # a missing engine is one clear line, before anything is written
+        engine = MpirunLauncher(launcher_args=list(launcher_args or []))
     run = start_run(
         fn, args, kwargs, nprocs=nprocs or default_nprocs(), runs_root=run_dir, backend=backend, dist_url=dist_url,
         init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,
-        stop_timeout=stop_timeout,
+        stop_timeout=stop_timeout, launcher=engine, master_addr=master_addr,
     )
     if not join:
         return run

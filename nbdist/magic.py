@@ -28,6 +28,7 @@ from .api import BACKENDS, default_nprocs, kill, ps
 from .cell import PULL_FILE, CellSource, find_read_names, run_cell
 from .cli import format_table
 from .errors import LaunchConfigError
+from .launchers import LAUNCHERS
 from .view import FLUSH_INTERVAL, make_view
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
@@ -75,8 +76,8 @@ def _check_options(args) -> None:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     if args.backend not in BACKENDS:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if args.launcher not in ("auto", "spawn", "attach"):
-        raise UsageError(f"--launcher must be one of auto, spawn, attach, got {args.launcher!r}")
+    if args.launcher not in LAUNCHERS:
+        raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {args.launcher!r}")
 
 
 def prepare_cell(shell, magic_fn, line: str, cell: str) -> CellJob:
@@ -118,6 +119,15 @@ def start_cell(shell, job: CellJob):
     from .run import start_run
 
     args = job.args
+    engine = None
+    if args.launcher == "mpirun":
+        from .launchers.mpirun import MpirunLauncher, find_mpiexec
+
+        try:
+            find_mpiexec()
+        except LaunchConfigError as exc:
+            raise UsageError(str(exc)) from None
+        engine = MpirunLauncher()
     run = start_run(
         run_cell,
         (job.cell_file, job.pushed, job.modules, job.pull),
@@ -129,6 +139,7 @@ def start_cell(shell, job: CellJob):
         init_process_group=not args.no_init,
         timeout=args.timeout,
         env=job.env,
+        launcher=engine,
     )
     shell.user_ns["_dist"] = run
     return run
@@ -255,7 +266,7 @@ class DistributedMagics(Magics):
     @magic_arguments()
     @argument("-n", "--nprocs", type=int, default=None,
               help="number of ranks (default: the number of GPUs, or 2 without one)")
-    @argument("--launcher", default="auto", help="auto, spawn or attach")
+    @argument("--launcher", default="auto", help="auto, spawn, attach or mpirun")
     @argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
     @argument("--timeout", type=float, default=None, help="seconds; then dump every rank's stack and stop")
     @argument("--bg", action="store_true", help="return at once; use _dist.wait() / _dist.kill() later")

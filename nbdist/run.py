@@ -386,8 +386,8 @@ class Run:
 
 def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=None, backend="auto",
               dist_url="auto", init_process_group=True, timeout=None, env=None, start_method="spawn",
-              stop_timeout=5.0, extra=None, on_event=None) -> Run:
-    """Write the run dir, start the ranks with the spawn launcher, and return the running Run.
+              stop_timeout=5.0, extra=None, on_event=None, launcher=None, master_addr="127.0.0.1") -> Run:
+    """Write the run dir, start the ranks with ``launcher`` (spawn by default), return the running Run.
 
     Start-or-close: if anything fails after the first process exists, everything this call
     started is stopped before the exception leaves.
@@ -399,7 +399,7 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
     run_id = run_id or payload.new_run_id()
     run_dir = run_dir or payload.create_run_dir(run_id, runs_root)
     payload.write_payload(run_dir, fn, args, kwargs, extra)
-    rendezvous = open_rendezvous(dist_url, nprocs) if init_process_group else None
+    rendezvous = open_rendezvous(dist_url, nprocs, host=master_addr) if init_process_group else None
     spec = RunSpec(
         run_id=run_id,
         nprocs=nprocs,
@@ -416,7 +416,7 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )
     payload.write_spec(run_dir, spec)
-    launcher = SpawnLauncher(start_method=start_method)
+    launcher = launcher or SpawnLauncher(start_method=start_method)
     run = Run(run_id, run_dir, spec, launcher, rendezvous, timeout, stop_timeout)
     if on_event is not None:
         run.subscribe(on_event, replay=False)
@@ -424,8 +424,7 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         launcher.start(run_dir, run_id, nprocs, {k: str(v) for k, v in (env or {}).items()})
         run._begin()
     except BaseException:
-        report = proctree.stop_tree(list(launcher.pids.values()), run_id, KILL_LADDER, timeout=2.0,
-                                    on_tick=launcher.poll)
+        report = proctree.stop_tree(launcher.leaders(), run_id, KILL_LADDER, timeout=2.0, on_tick=launcher.poll)
         run._finalize("killed", report, "start failed")
         raise
     return run

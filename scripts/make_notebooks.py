@@ -21,6 +21,8 @@ def raises(source):
 def write(name, cells):
     nb = nbf.v4.new_notebook()
     nb.cells = cells
+    for i, cell in enumerate(cells):  # stable ids: regenerating must not churn the files
+        cell["id"] = f"{os.path.splitext(name)[0][:2]}-{i:02d}"
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbf.write(nb, os.path.join(HERE, name))
 
@@ -178,10 +180,14 @@ write("04_multinode.ipynb", [
        "Start one kernel per node under the engine, for example one ipyparallel MPI engine per node "
        "(`ipcluster start -n 4 --engines=mpi`) or a kernel under `srun --mpi=pmi2`, then `%%distributed` in each runs "
        "the cell as that rank, with the process group kept between cells.\n\n"
-       "## Launchers for more than one machine\n\n"
-       "`launch(..., launcher='torchrun' | 'mpirun' | 'srun', nnodes=..., node_rank=..., master_addr=...)` builds the "
-       "engine's own command (`torchrun --rdzv-backend c10d ...`, `mpirun -np N`, `srun -n N`) around the same worker, "
-       "`python -m nbdist.worker RUN_DIR`, with the run dir on a shared path. These launchers are the next step of the "
-       "roadmap; today the spawn launcher and attach are available."),
+       "## Launchers: the engine starts the ranks\n\n"
+       "`launch(..., launcher='mpirun', launcher_args=['--hostfile', 'hosts'])` and `%%distributed --launcher mpirun` "
+       "run `mpiexec -n N python -m nbdist.worker RUN_DIR`: the same worker, results, errors, view and teardown as "
+       "spawn (a stop takes the engine's whole session, and the engine dies with the kernel). The torchrun "
+       "(`--rdzv-backend c10d`) and srun launchers, with the run dir on a shared path, come next on the roadmap."),
+    code("def rank_and_size():\n"
+         "    import torch.distributed as dist\n"
+         "    return (dist.get_rank(), dist.get_world_size())\n\n"
+         "nbdist.launch(rank_and_size, nprocs=4, launcher='mpirun')"),
     code("os.remove('attach_demo.py')"),
 ])

@@ -232,3 +232,16 @@ def test_launch_from_a_notebook_shows_the_notebook_source_line(kernel):
     res = kernel.run("nbdist.launch(boom, nprocs=2, init_process_group=False)")
     assert res.status == "error" and res.error["ename"] == "WorkerFailedError"
     assert "line 4, in boom" in res.error_text and "raise KeyError('from the notebook')" in res.error_text
+
+
+def test_cell_under_mpirun(kernel):
+    import shutil
+    import sys
+
+    if not (shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")):
+        pytest.skip("mpiexec not installed")
+    res = kernel.run("%%distributed -n 2 --launcher mpirun --view text\nimport torch.distributed as dist\n"
+                     "print('mpi rank', dist.get_rank(), 'of', dist.get_world_size())\ndist.get_rank()")
+    assert res.status == "ok", res.error_text + res.stdout
+    assert "[rank 0] mpi rank 0 of 2" in res.stdout and "[rank 1] mpi rank 1 of 2" in res.stdout
+    assert kernel.run("_dist.results").result == "{0: 0, 1: 1}"

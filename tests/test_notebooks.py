@@ -75,4 +75,5 @@ def test_doc_notebooks_run(name, tmp_path):
         assert "first to fail: 1" in text and "results kept: {0: 'ok'}" in text
     else:
         assert "world of 4" in text and "world of 2" in text
+        assert "{0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}" in text, "launcher='mpirun'"
     assert not marked_pids()

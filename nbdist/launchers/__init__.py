@@ -6,7 +6,7 @@ from ..errors import LaunchConfigError
 
 __all__ = ["LAUNCHERS", "check_launcher_name"]
 
-LAUNCHERS = ("auto", "spawn", "attach")
+LAUNCHERS = ("auto", "spawn", "attach", "mpirun")
 
 
 def check_launcher_name(name) -> None:
