@@ -185,9 +185,7 @@ class Run:
     # ---- lifecycle ------------------------------------------------------------------------
     def _begin(self) -> None:
         self._status = "running"
-        for r, pid in self.launcher.pids.items():
-            self.ranks[r].pid = pid
-            self._set_rank_status(r, "running")
+        self._track_pids()
         self._emit(RunEvent("running"))
         _LIVE_RUNS.add(self)
         self._monitor = threading.Thread(target=self._watch, name=f"nbdist-run-{self.run_id}", daemon=True)
@@ -269,9 +267,11 @@ class Run:
             INTERRUPT_LADDER,
             timeout=min(self.stop_timeout, 3.0),
             reason=f"timed out after {self.timeout:g} s (stacks dumped into the rank logs)",
+            error_type=RunTimeoutError,
         )
 
-    def _stop(self, status: str, signals, timeout: float, reason: str | None = None) -> proctree.StopReport:
+    def _stop(self, status: str, signals, timeout: float, reason: str | None = None,
+              error_type=WorkerFailedError) -> proctree.StopReport:
         with self._stop_lock:
             if self._stopping or self._done.is_set():
                 first = False
@@ -288,7 +288,7 @@ class Run:
         except KeyboardInterrupt as exc:  # a second Ctrl-C: skip to SIGKILL, but never leave half a tree
             interrupted = exc
             report = proctree.stop_tree(leaders, self.run_id, (signal.SIGKILL,), timeout=2.0, on_tick=self.launcher.poll)
-        self._finalize(status, report, reason)
+        self._finalize(status, report, reason, error_type)
         if interrupted is not None:
             raise interrupted
         return report
@@ -312,7 +312,7 @@ class Run:
             failures[grank] = f
         return failures
 
-    def _finalize(self, status: str, report, reason: str | None = None) -> None:
+    def _finalize(self, status: str, report, reason: str | None = None, error_type=WorkerFailedError) -> None:
         # Reap everything, read what the ranks left, and only then tell the world.
         for _ in range(100):
             codes = self.launcher.poll()
@@ -336,9 +336,7 @@ class Run:
             self.rendezvous.close()
         self.report = report
         if status == "failed":
-            failures = self._collect_failures()
-            cls = RunTimeoutError if reason and reason.startswith("timed out") else WorkerFailedError
-            self.error = cls(failures, self.results, self.run_dir, reason)
+            self.error = error_type(self._collect_failures(), self.results, self.run_dir, reason)
         elif status in ("interrupted", "killed"):
             self.error = RunStoppedError(status, self.results, self.run_dir, report)
         self._status = status
