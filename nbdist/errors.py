@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = [
     "LaunchConfigError",

@@ -105,6 +105,27 @@ def run_script(tmp_path):
     return start
 
 
+def start_parent_with_loader_ranks(run_script, ready_dir, **launch_kwargs):
+    """A real parent process that launches 2 ranks with DataLoader workers and then just sleeps.
+
+    Returns ``(proc, run_id)`` once every rank's workers are up, ready to be killed.
+    """
+    proc = run_script(
+        f"""
+        import sys, time, nbdist
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import rankfns
+        if __name__ == "__main__":
+            run = nbdist.launch(rankfns.sleep_with_loader, {str(ready_dir)!r}, nprocs=2, join=False,
+                                init_process_group=False, **{launch_kwargs!r})
+            print("RUN", run.run_id, flush=True)
+            time.sleep(600)
+        """
+    )
+    wait_for(lambda: len([f for f in os.listdir(ready_dir) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
+    return proc, proc.stdout.readline().split()[1]
+
+
 def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 
 import nbformat

@@ -12,7 +12,7 @@ import pytest
 
 import nbdist
 import rankfns
-from conftest import marked_pids, wait_for
+from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 
 
 def test_launch_returns_every_ranks_value():
@@ -120,20 +120,7 @@ def test_sigint_to_a_real_parent_interrupts_the_run(run_script, tmp_path):
 
 
 def test_parent_sigkill_takes_ranks_and_grandchildren_down(run_script, tmp_path):
-    proc = run_script(
-        f"""
-        import sys, time, nbdist
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import rankfns
-        if __name__ == "__main__":
-            run = nbdist.launch(rankfns.sleep_with_loader, {str(tmp_path)!r}, nprocs=2, join=False,
-                                init_process_group=False)
-            print("RUN", run.run_id, flush=True)
-            time.sleep(600)
-        """
-    )
-    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
-    run_id = proc.stdout.readline().split()[1]
+    proc, run_id = start_parent_with_loader_ranks(run_script, tmp_path)
     owned = marked_pids(run_id)
     assert len(owned) >= 6, "2 ranks and 4 DataLoader workers carry the marker"
     os.kill(proc.pid, signal.SIGKILL)

@@ -12,7 +12,7 @@ import pytest
 
 import nbdist
 import rankfns
-from conftest import marked_pids, wait_for
+from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)")
@@ -53,20 +53,7 @@ def test_mpirun_interrupt_takes_the_engine_ranks_and_dataloader_workers(tmp_path
 
 @needs_mpi
 def test_mpirun_dead_parent_leaves_nothing(run_script, tmp_path):
-    proc = run_script(
-        f"""
-        import sys, time, nbdist
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        import rankfns
-        if __name__ == "__main__":
-            run = nbdist.launch(rankfns.sleep_with_loader, {str(tmp_path)!r}, nprocs=2, join=False,
-                                launcher="mpirun", init_process_group=False)
-            print("RUN", run.run_id, flush=True)
-            time.sleep(600)
-        """
-    )
-    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
-    run_id = proc.stdout.readline().split()[1]
+    proc, run_id = start_parent_with_loader_ranks(run_script, tmp_path, launcher="mpirun")
     assert len(marked_pids(run_id)) >= 6
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
