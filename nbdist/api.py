@@ -7,7 +7,7 @@ import signal
 
 from . import proctree
 from .errors import LaunchConfigError
-from .launchers import check_launcher_name
+from .launchers import check_launcher_name, make_engine_launcher
 from .rendezvous import check_dist_url
 from .world import detect_world
 
@@ -122,12 +122,7 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
             )
         return run_attached(fn, args, kwargs, world, dist_url=dist_url, backend=backend,
                             init_process_group=init_process_group)
-    engine = None
-    if launcher == "mpirun":
-        from .launchers.mpirun import MpirunLauncher, find_mpiexec
-
-        find_mpiexec()  # a missing engine is one clear line, before anything is written
-        engine = MpirunLauncher(launcher_args=list(launcher_args or []))
+    engine = make_engine_launcher(launcher, launcher_args)
     run = start_run(
         fn, args, kwargs, nprocs=nprocs or default_nprocs(), runs_root=run_dir, backend=backend, dist_url=dist_url,
         init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,

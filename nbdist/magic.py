@@ -28,7 +28,7 @@ from .api import BACKENDS, default_nprocs, kill, ps
 from .cell import PULL_FILE, CellSource, find_read_names, run_cell
 from .cli import format_table
 from .errors import LaunchConfigError
-from .launchers import LAUNCHERS
+from .launchers import LAUNCHERS, make_engine_launcher
 from .view import FLUSH_INTERVAL, make_view
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
@@ -119,15 +119,10 @@ def start_cell(shell, job: CellJob):
     from .run import start_run
 
     args = job.args
-    engine = None
-    if args.launcher == "mpirun":
-        from .launchers.mpirun import MpirunLauncher, find_mpiexec
-
-        try:
-            find_mpiexec()
-        except LaunchConfigError as exc:
-            raise UsageError(str(exc)) from None
-        engine = MpirunLauncher()
+    try:
+        engine = make_engine_launcher(args.launcher)
+    except LaunchConfigError as exc:
+        raise UsageError(str(exc)) from None
     run = start_run(
         run_cell,
         (job.cell_file, job.pushed, job.modules, job.pull),

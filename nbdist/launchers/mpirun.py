@@ -9,18 +9,20 @@ MPI gives it and registers its pid in the run dir.
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 
 from .. import payload
 from ..errors import LaunchConfigError
 from ..payload import RUN_DIR_ENV, RUN_ID_ENV
 from ..proctree import is_gone
+from ..worker import _set_pdeathsig
 
 __all__ = ["MpirunLauncher", "find_mpiexec"]
 
@@ -38,19 +40,11 @@ def find_mpiexec() -> str:
     )
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: async-signal-safe calls only. SIGTERM, so that the
-    # engine can take down the ranks it started before it goes.
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)
-
-
 @dataclass
 class MpirunLauncher:
     """Start ``nprocs`` ranks through the MPI engine, and follow them through the run dir."""
 
-    hostfile: str | None = None
-    launcher_args: list = field(default_factory=list)
+    launcher_args: list = field(default_factory=list)  # e.g. ["--hostfile", "hosts"]
     name: str = "mpirun"
 
     def __post_init__(self):
@@ -62,8 +56,6 @@ class MpirunLauncher:
 
     def command(self, run_dir: str, nprocs: int) -> list[str]:
         cmd = [find_mpiexec(), "-n", str(nprocs)]
-        if self.hostfile:
-            cmd += ["--hostfile", self.hostfile]
         return cmd + [str(a) for a in self.launcher_args] + [sys.executable, "-m", "nbdist.worker", run_dir]
 
     def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
@@ -75,10 +67,15 @@ class MpirunLauncher:
         child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         self._run_dir, self._nprocs = run_dir, nprocs
         self._codes = dict.fromkeys(range(nprocs))
+        # PDEATHSIG follows the thread that forks: only the main thread lives as long as the kernel.
+        # SIGTERM, so that the engine takes down the ranks it started before it goes.
+        die_with_parent = None
+        if threading.current_thread() is threading.main_thread():
+            die_with_parent = functools.partial(_set_pdeathsig, signal.SIGTERM)
         log = os.open(os.path.join(run_dir, "launcher.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self._engine = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                            start_new_session=True, preexec_fn=_die_with_parent)
+                                            start_new_session=True, preexec_fn=die_with_parent)
         finally:
             os.close(log)
 
