@@ -7,7 +7,7 @@ import signal
 
 from . import proctree
 from .errors import LaunchConfigError
-from .launchers import check_launcher_name, make_engine_launcher
+from .launchers import ENGINES, check_launcher_name, make_engine_launcher
 from .rendezvous import check_dist_url
 from .world import detect_world
 
@@ -46,7 +46,7 @@ def _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env):
 
 def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="auto", init_process_group=True,
            timeout=None, env=None, join=True, start_method="spawn", run_dir=None, stop_timeout=5.0,
-           launcher_args=None, master_addr="127.0.0.1", **kwargs):
+           launcher_args=None, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` PyTorch ranks and return every rank's value.
 
     Parameters
@@ -55,12 +55,18 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
         Runs on every rank. Lambdas, closures and functions or classes defined in the notebook
         work: they are cloudpickled by value into the run dir.
     nprocs : int, optional
-        Number of ranks. Default: the attached world's size when attaching, else the number of
-        GPUs (2 on a machine without one).
-    launcher : {"auto", "spawn", "attach", "mpirun"}
-        "auto" attaches when this process already is a rank of a torchrun or MPI world of more
-        than one rank, and spawns otherwise. "mpirun" starts the ranks with
-        ``mpiexec -n N [launcher_args] python -m nbdist.worker RUN_DIR``.
+        Number of ranks (of this node, for torchrun; of the step, for srun). Default: the number
+        of GPUs (2 on a machine without one). In a kernel that already is a rank of a world
+        (launcher "auto"/"attach"): leave it out to run ``fn`` in this process as that rank, or
+        give N to have every kernel of the world spawn N ranks, global rank = kernel rank x N
+        + local rank.
+    launcher : {"auto", "spawn", "attach", "torchrun", "mpirun", "srun"}
+        "auto" attaches when this process already is a rank of a torchrun, MPI or Slurm world of
+        more than one rank, and spawns otherwise. The engines run
+        ``python -m nbdist.worker RUN_DIR`` on every rank: "torchrun" as
+        ``torchrun --nnodes M --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint
+        MASTER_ADDR:MASTER_PORT``, "mpirun" as ``mpiexec -n N [launcher_args]``, "srun" as
+        ``srun -n N [-N nnodes] [launcher_args]``.
     dist_url : str
         "auto" (a loopback port that the kernel holds for the run), "env://" or "tcp://HOST:PORT".
     backend : str
@@ -79,8 +85,16 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
         Folder under which the run dir is made (default ``$NBDIST_RUN_DIR`` or a private temp folder).
     launcher_args : list of str, optional
         Extra arguments for the engine (``["--hostfile", "hosts"]`` for mpirun).
+    nnodes, node_rank : int
+        torchrun: how many nodes (kernels, or ``torchrun`` started by hand) make the world, and
+        which one this is; this node's ranks are ``node_rank * nprocs + local_rank``. srun: the
+        number of nodes (``-N``) the ``nprocs`` tasks spread over.
     master_addr : str
-        Where the kernel's rendezvous store listens: 127.0.0.1 unless ranks run on other machines.
+        Where the ranks meet: the kernel's store for spawn, mpirun and srun (127.0.0.1 unless
+        ranks run on other machines); for torchrun with ``nnodes > 1``, the address of node 0,
+        which hosts the c10d rendezvous.
+    master_port : int, optional
+        torchrun with ``nnodes > 1``: the rendezvous port, the same on every node.
 
     Returns
     -------
@@ -108,21 +122,32 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
 
     _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env)
     world = detect_world() if launcher in ("auto", "attach") else None
-    if launcher_args is not None and launcher in ("auto", "spawn", "attach"):
-        raise LaunchConfigError(f"launcher_args are for an engine (launcher='mpirun'), not launcher={launcher!r}")
+    if launcher_args is not None and launcher not in ENGINES:
+        raise LaunchConfigError(f"launcher_args are for an engine ({', '.join(ENGINES)}), not launcher={launcher!r}")
+    for name, value, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise LaunchConfigError(f"{name} must be an int >= {low}, got {value!r}")
+    if launcher == "torchrun" and dist_url != "auto":
+        raise LaunchConfigError("launcher='torchrun' brings its own rendezvous (env://); leave dist_url='auto'")
+    if (nnodes != 1 or node_rank != 0 or master_port is not None) and launcher not in ENGINES:
+        raise LaunchConfigError(f"nnodes, node_rank and master_port are for launcher='torchrun' or 'srun', "
+                                f"not launcher={launcher!r}")
     if launcher == "attach" and world is None:
         raise LaunchConfigError("launcher='attach' needs a torchrun, MPI or Slurm world of more than one rank around this process")
+    if world is not None and nprocs is not None:
+        from .launchers.attach import run_per_kernel
+
+        # Each kernel of the world spawns nprocs ranks of its own: one world of world_size * nprocs.
+        return run_per_kernel(fn, args, kwargs, world, nprocs, backend=backend,
+                              init_process_group=init_process_group, runs_root=run_dir, timeout=timeout, env=env,
+                              start_method=start_method, stop_timeout=stop_timeout)
     if world is not None:
         from .launchers.attach import run_attached
 
-        if nprocs is not None and nprocs != world.world_size:
-            raise LaunchConfigError(
-                f"this process is rank {world.rank} of a {world.kind} world of {world.world_size}; "
-                f"nprocs={nprocs} doesn't match (leave it out, or use launcher='spawn')"
-            )
         return run_attached(fn, args, kwargs, world, dist_url=dist_url, backend=backend,
                             init_process_group=init_process_group)
-    engine = make_engine_launcher(launcher, launcher_args)
+    engine = make_engine_launcher(launcher, launcher_args, nnodes=nnodes, node_rank=node_rank,
+                                  master_addr=master_addr, master_port=master_port)
     run = start_run(
         fn, args, kwargs, nprocs=nprocs or default_nprocs(), runs_root=run_dir, backend=backend, dist_url=dist_url,
         init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,

@@ -74,7 +74,7 @@ class RankFailure:
         elif self.exc_type:
             how = f"raised {self.exc_type}" + (f": {self.message}" if self.message else "")
         else:
-            how = f"exited with code {self.exitcode}"
+            how = f"exited with code {self.exitcode}" + (f": {self.message}" if self.message else "")
         return f"{how} (pid {self.pid}, exit code {self.exitcode})"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import shlex
 import time
 import types
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from .api import BACKENDS, default_nprocs, kill, ps
 from .cell import PULL_FILE, CellSource, find_read_names, run_cell
 from .cli import format_table
 from .errors import LaunchConfigError
-from .launchers import LAUNCHERS, make_engine_launcher
+from .launchers import ENGINES, LAUNCHERS, make_engine_launcher
 from .view import FLUSH_INTERVAL, make_view
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
@@ -49,6 +50,7 @@ class CellJob:
     modules: dict = field(default_factory=dict)  # name -> module name
     pull: list = field(default_factory=list)
     env: dict = field(default_factory=dict)
+    channel: object = None  # set when each kernel of an attached world spawns its own ranks
 
 
 def _split_names(text: str, option: str) -> list[str]:
@@ -78,6 +80,12 @@ def _check_options(args) -> None:
         raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
     if args.launcher not in LAUNCHERS:
         raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {args.launcher!r}")
+    if args.nnodes < 1 or args.node_rank < 0:
+        raise UsageError(f"--nnodes must be >= 1 and --node-rank >= 0, got {args.nnodes} and {args.node_rank}")
+    engine_only = args.launcher_args or args.nnodes != 1 or args.node_rank or args.master_port is not None
+    if engine_only and args.launcher not in ENGINES:
+        raise UsageError(f"--launcher-args, --nnodes, --node-rank and --master-port are for --launcher "
+                         f"{', '.join(ENGINES)}, not {args.launcher}")
 
 
 def prepare_cell(shell, magic_fn, line: str, cell: str) -> CellJob:
@@ -119,23 +127,24 @@ def start_cell(shell, job: CellJob):
     from .run import start_run
 
     args = job.args
+    rank_args = (job.cell_file, job.pushed, job.modules, job.pull)
+    common = dict(run_id=job.run_id, run_dir=job.run_dir, backend=args.backend, init_process_group=not args.no_init,
+                  timeout=args.timeout, env=job.env)
+    world = _attached(job)
+    if world is not None:  # --nprocs in a kernel that is a rank: each kernel spawns its own ranks
+        from .launchers.attach import start_per_kernel
+
+        run, job.channel = start_per_kernel(run_cell, rank_args, {}, world, args.nprocs, **common)
+        shell.user_ns["_dist"] = run
+        return run
     try:
-        engine = make_engine_launcher(args.launcher)
+        engine = make_engine_launcher(args.launcher, shlex.split(args.launcher_args or ""), nnodes=args.nnodes,
+                                      node_rank=args.node_rank, master_addr=args.master_addr,
+                                      master_port=args.master_port)
     except LaunchConfigError as exc:
         raise UsageError(str(exc)) from None
-    run = start_run(
-        run_cell,
-        (job.cell_file, job.pushed, job.modules, job.pull),
-        {},
-        nprocs=args.nprocs or default_nprocs(),
-        run_id=job.run_id,
-        run_dir=job.run_dir,
-        backend=args.backend,
-        init_process_group=not args.no_init,
-        timeout=args.timeout,
-        env=job.env,
-        launcher=engine,
-    )
+    run = start_run(run_cell, rank_args, {}, nprocs=args.nprocs or default_nprocs(), launcher=engine,
+                    master_addr=args.master_addr, **common)
     shell.user_ns["_dist"] = run
     return run
 
@@ -144,7 +153,12 @@ def finish_cell(shell, job: CellJob, run):
     """Bring back ``--pull`` variables and return rank 0's value (the cell's result)."""
     import pickle
 
-    results = run.wait()
+    if job.channel is not None:
+        from .launchers.attach import gather_per_kernel
+
+        results = gather_per_kernel(run, job.channel)  # every kernel gets every rank's value
+    else:
+        results = run.wait()
     if job.pull:
         try:
             with open(os.path.join(job.run_dir, PULL_FILE), "rb") as fh:
@@ -168,15 +182,16 @@ def _run_attached_cell(shell, job: CellJob):
     return results.get(0)
 
 
-def _attached(job: CellJob) -> bool:
+def _attached(job: CellJob):
+    """The world this kernel is a rank of (None when it runs alone or spawns regardless)."""
     from .world import detect_world
 
-    if job.args.launcher == "spawn":
-        return False
+    if job.args.launcher not in ("auto", "attach"):
+        return None
     world = detect_world()
     if job.args.launcher == "attach" and world is None:
         raise UsageError("--launcher attach: this kernel is not a rank of a torchrun, MPI or Slurm world")
-    return world is not None
+    return world
 
 
 def _show(view) -> None:
@@ -196,7 +211,7 @@ def _launch_cell(shell, line: str, cell: str):
     """Prepare and start the cell; return ``(job, run, view)``, or ``(job, None, value)`` when the
     kernel is itself a rank and ran the cell in place."""
     job = prepare_cell(shell, DistributedMagics.distributed, line, cell)
-    if _attached(job):
+    if _attached(job) is not None and not job.args.nprocs:
         return job, None, _run_attached_cell(shell, job)
     run = start_cell(shell, job)
     view = make_view(run, job.args.view)
@@ -261,7 +276,12 @@ class DistributedMagics(Magics):
     @magic_arguments()
     @argument("-n", "--nprocs", type=int, default=None,
               help="number of ranks (default: the number of GPUs, or 2 without one)")
-    @argument("--launcher", default="auto", help="auto, spawn, attach or mpirun")
+    @argument("--launcher", default="auto", help="auto, spawn, attach, torchrun, mpirun or srun")
+    @argument("--launcher-args", default="", help="extra engine arguments, quoted: --launcher-args '--hostfile h'")
+    @argument("--nnodes", type=int, default=1, help="torchrun: nodes (kernels) in the world; srun: -N")
+    @argument("--node-rank", type=int, default=0, help="torchrun: this kernel's node")
+    @argument("--master-addr", default="127.0.0.1", help="where the ranks meet (another node's address for torchrun)")
+    @argument("--master-port", type=int, default=None, help="torchrun with --nnodes > 1: the rendezvous port")
     @argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
     @argument("--timeout", type=float, default=None, help="seconds; then dump every rank's stack and stop")
     @argument("--bg", action="store_true", help="return at once; use _dist.wait() / _dist.kill() later")

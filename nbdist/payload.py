@@ -53,6 +53,7 @@ class RankIdentity:
     local_rank: int
     world_size: int
     local_world_size: int
+    node_rank: int = 0  # torchrun's GROUP_RANK
 
 
 @dataclass
@@ -65,7 +66,7 @@ class RunSpec:
     node_rank: int = 0
     backend: str = "auto"
     init_method: str | None = None  # "env://" or "tcp://host:port"; None means don't init
-    master_addr: str = "127.0.0.1"
+    master_addr: str | None = "127.0.0.1"  # None: the engine sets MASTER_ADDR/PORT (torchrun)
     master_port: int | None = None
     use_agent_store: bool = True  # the kernel hosts the TCPStore; every rank is a client
     parent_pid: int = 0
@@ -74,12 +75,15 @@ class RunSpec:
     mp_start_method: str | None = None  # the kernel's own multiprocessing default, for the rank's children
     created: float = field(default_factory=time.time)
 
-    def identity_for(self, local_rank: int) -> RankIdentity:
+    def identity_for(self, local_rank: int, node_rank: int | None = None) -> RankIdentity:
+        """Rank ``local_rank`` of node ``node_rank`` (this spec's node by default)."""
+        node = self.node_rank if node_rank is None else node_rank
         return RankIdentity(
-            rank=self.node_rank * self.nprocs + local_rank,
+            rank=node * self.nprocs + local_rank,
             local_rank=local_rank,
             world_size=self.world_size,
             local_world_size=self.nprocs,
+            node_rank=node,
         )
 
 

@@ -53,8 +53,11 @@ def check_dist_url(dist_url: str) -> None:
         )
 
 
-def open_rendezvous(dist_url: str, world_size: int, host: str = "127.0.0.1") -> Rendezvous:
-    """Build the rendezvous for ``dist_url``; for "auto", start the kernel-side store now."""
+def open_rendezvous(dist_url: str, world_size: int, host: str = "127.0.0.1", port: int = 0) -> Rendezvous:
+    """Build the rendezvous for ``dist_url``; for "auto", start the kernel-side store now.
+
+    ``port`` 0 takes a free one; a fixed port is for ranks that must find it without being told.
+    """
     check_dist_url(dist_url)
     if dist_url == "env://":
         return Rendezvous("env://", os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), False)
@@ -65,7 +68,13 @@ def open_rendezvous(dist_url: str, world_size: int, host: str = "127.0.0.1") -> 
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind((host, 0))
+        if port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise LaunchConfigError(f"can't host the rendezvous on {host}:{port}: {exc.strerror}; "
+                                    "set MASTER_PORT to a free port") from None
         sock.listen(max(128, world_size * 2))
         port = sock.getsockname()[1]
         store = dist.TCPStore(

@@ -309,8 +309,21 @@ class Run:
                 f.hint, f.secondary, f.time = info.get("hint"), info.get("secondary", False), info["time"]
             elif st.exitcode == 0:
                 f.message = "exited with code 0 without returning a result"
+            else:
+                f.message = self._engine_said()
             failures[grank] = f
         return failures
+
+    def _engine_said(self) -> str | None:
+        """For a rank that left no traceback: what the engine (mpiexec, torchrun, srun) printed.
+
+        A rank that can't read the run dir says so in one line there; that line is the message.
+        """
+        said = self.launcher.engine_log() if hasattr(self.launcher, "engine_log") else ""
+        worker_lines = [line for line in said.splitlines() if "nbdist.worker:" in line]
+        if worker_lines:
+            return worker_lines[-1].split("nbdist.worker:", 1)[1].strip()
+        return f"no traceback; {self.launcher.name} said:\n{said}" if said.strip() else None
 
     def _finalize(self, status: str, report, reason: str | None = None, error_type=WorkerFailedError) -> None:
         # Reap everything, read what the ranks left, and only then tell the world.
@@ -384,11 +397,13 @@ class Run:
 
 def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=None, backend="auto",
               dist_url="auto", init_process_group=True, timeout=None, env=None, start_method="spawn",
-              stop_timeout=5.0, extra=None, on_event=None, launcher=None, master_addr="127.0.0.1") -> Run:
+              stop_timeout=5.0, extra=None, on_event=None, launcher=None, master_addr="127.0.0.1",
+              rendezvous=None) -> Run:
     """Write the run dir, start the ranks with ``launcher`` (spawn by default), return the running Run.
 
     Start-or-close: if anything fails after the first process exists, everything this call
-    started is stopped before the exception leaves.
+    started is stopped before the exception leaves. ``rendezvous``: where the ranks meet when
+    another kernel hosts the store (several kernels, one world).
     """
     from .launchers.spawn import SpawnLauncher, check_start_method
     from .rendezvous import open_rendezvous
@@ -397,14 +412,22 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
     run_id = run_id or payload.new_run_id()
     run_dir = run_dir or payload.create_run_dir(run_id, runs_root)
     payload.write_payload(run_dir, fn, args, kwargs, extra)
-    rendezvous = open_rendezvous(dist_url, nprocs, host=master_addr) if init_process_group else None
+    launcher = launcher or SpawnLauncher(start_method=start_method)
+    world_size = launcher.world_size_for(nprocs) if hasattr(launcher, "world_size_for") else nprocs
+    # torchrun's agent hosts the store its ranks meet at; every other launcher meets at the kernel's.
+    hosts_rendezvous = getattr(launcher, "hosts_rendezvous", True)
+    if not init_process_group:
+        rendezvous = None
+    elif rendezvous is None and hosts_rendezvous:  # else given: one kernel of several hosts it
+        rendezvous = open_rendezvous(dist_url, world_size, host=master_addr)
     spec = RunSpec(
         run_id=run_id,
         nprocs=nprocs,
-        world_size=nprocs,
+        world_size=world_size,
+        node_rank=getattr(launcher, "node_rank", 0),
         backend=backend,
-        init_method=rendezvous.init_method if rendezvous else None,
-        master_addr=rendezvous.master_addr if rendezvous else "127.0.0.1",
+        init_method=(rendezvous.init_method if rendezvous else "env://") if init_process_group else None,
+        master_addr=rendezvous.master_addr if rendezvous else None,
         master_port=rendezvous.master_port if rendezvous else None,
         use_agent_store=bool(rendezvous and rendezvous.use_agent_store),
         parent_pid=os.getpid(),
@@ -414,7 +437,6 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )
     payload.write_spec(run_dir, spec)
-    launcher = launcher or SpawnLauncher(start_method=start_method)
     run = Run(run_id, run_dir, spec, launcher, rendezvous, timeout, stop_timeout)
     if on_event is not None:
         run.subscribe(on_event, replay=False)

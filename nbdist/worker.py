@@ -28,6 +28,7 @@ __all__ = [
     "resolve_backend",
     "run_payload",
     "run_spawned_rank",
+    "identity_under_engine",
     "main",
 ]
 
@@ -149,10 +150,12 @@ def export_rank_env(spec: RunSpec, identity: RankIdentity) -> None:
         "LOCAL_RANK": identity.local_rank,
         "WORLD_SIZE": identity.world_size,
         "LOCAL_WORLD_SIZE": identity.local_world_size,
-        "GROUP_RANK": spec.node_rank,
-        "MASTER_ADDR": spec.master_addr,
+        "GROUP_RANK": identity.node_rank,
         "PYTHONUNBUFFERED": "1",
     }
+    # Under torchrun the agent set MASTER_ADDR/PORT to its own store: keep them.
+    if spec.master_addr:
+        env["MASTER_ADDR"] = spec.master_addr
     if spec.master_port:
         env["MASTER_PORT"] = spec.master_port
     if spec.use_agent_store:
@@ -305,6 +308,27 @@ def run_spawned_rank(local_rank: int, run_dir: str) -> None:
     sys.exit(0)
 
 
+def identity_under_engine(spec: RunSpec, world, env) -> RankIdentity:
+    """This rank's place, from the engine that started it.
+
+    MPI and Slurm number the ranks themselves. Under torchrun, c10d numbers the nodes in an
+    order of its own; the rank is ``node_rank * N + LOCAL_RANK`` with nbdist's node rank
+    (``NBDIST_NODE_RANK``, else the kernel's), so that each kernel knows its ranks in advance.
+    """
+    if world is None:
+        return spec.identity_for(0)
+    if world.kind == "torchrun":
+        node = int(env.get("NBDIST_NODE_RANK", spec.node_rank))
+        if world.world_size != spec.world_size or (world.local_world_size or spec.nprocs) != spec.nprocs:
+            raise ValueError(
+                f"torchrun made a world of {world.world_size} with {world.local_world_size} ranks here, but this "
+                f"run wants {spec.world_size} with {spec.nprocs} per node; give every node the same nnodes and nprocs"
+            )
+        return spec.identity_for(world.local_rank or 0, node)
+    local_size = world.local_world_size or spec.nprocs
+    return RankIdentity(world.rank, world.local_rank or 0, world.world_size, local_size, world.rank // local_size)
+
+
 def main(argv=None) -> int:
     """``python -m nbdist.worker RUN_DIR``: a rank started by torchrun, mpirun or srun."""
     from .world import detect_world
@@ -318,13 +342,11 @@ def main(argv=None) -> int:
         print(f"nbdist.worker: {run_dir} is not readable here; put the run dir on a shared path", file=sys.stderr)
         return 2
     spec = payload.read_spec(run_dir)
-    world = detect_world()
-    if world is None:
-        identity = spec.identity_for(0)
-    else:
-        identity = RankIdentity(
-            world.rank, world.local_rank or 0, world.world_size, world.local_world_size or spec.nprocs
-        )
+    try:
+        identity = identity_under_engine(spec, detect_world(), os.environ)
+    except ValueError as exc:
+        print(f"nbdist.worker: {exc}", file=sys.stderr)
+        return 2
     # Under a launcher our parent is the launcher's agent, and the launcher owns the group.
     prepare_rank_process(run_dir, spec, identity, own_group=False)
     return run_payload(run_dir, spec, identity)

@@ -84,6 +84,38 @@ def no_process_left():
         pytest.fail(f"processes left running {GRACE_S:.0f} s after the test: {left}")
 
 
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A real single-node Slurm (munge, slurmctld, slurmd) on 127.0.0.1 for the whole session."""
+    import shutil
+    import tempfile
+
+    from clusters import SlurmCluster, slurm_missing
+
+    why = slurm_missing()
+    if why:
+        pytest.skip(why)
+    # Not under pytest's tmp folders: munged runs as its own user and must traverse every parent.
+    base = tempfile.mkdtemp(prefix="nbdist-slurm-")
+    cluster = SlurmCluster.start(base)
+    # The daemons outlive tests, and slurmstepd comes and goes under slurmd; ranks that srun starts
+    # carry the run's marker, so the marker check still sees every one of them.
+    daemons = {p.pid for p in cluster.procs}
+    IGNORED_TREES.update(daemons)
+    yield cluster
+    cluster.stop()
+    IGNORED_TREES.difference_update(daemons)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def slurm(slurm_cluster, monkeypatch):
+    """srun and sinfo in this test (and the processes it starts) talk to the test cluster."""
+    for key, value in slurm_cluster.env.items():
+        monkeypatch.setenv(key, value)
+    return slurm_cluster
+
+
 @pytest.fixture
 def run_script(tmp_path):
     """Write a Python script and return a function that starts it (Popen, its own session)."""

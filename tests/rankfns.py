@@ -100,3 +100,18 @@ def same_error_on_ranks_1_up():
         time.sleep(5.0)
         return "ok"
     raise KeyError("missing")
+
+
+def report_world():
+    """Where this rank sits, as torch and the env say, and a sum that needs every rank."""
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "group_rank": int(os.environ["GROUP_RANK"]),
+        "master_addr": os.environ["MASTER_ADDR"],
+        "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
+        "sum": t.item(),
+    }

@@ -1,10 +1,15 @@
-"""Engines that start the ranks themselves: real mpiexec (pip's mpich), same guarantees as spawn."""
+"""Engines that start the ranks themselves: real mpiexec (pip's mpich), torchrun and srun (a real
+Slurm on loopback), each with the same results, fail-fast and teardown as spawn."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -13,56 +18,172 @@ import pytest
 import nbdist
 import rankfns
 from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
+from nbdist.launchers.mpirun import MpirunLauncher
+from nbdist.run import start_run
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@needs_mpi
-def test_mpirun_gives_the_same_results_as_spawn():
+@pytest.fixture(params=["mpirun", "torchrun", "srun"])
+def engine(request):
+    """``launch`` keywords for each real engine; srun runs against the test's own Slurm."""
+    if request.param == "mpirun":
+        if MPIEXEC is None:
+            pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
+        return {"launcher": "mpirun"}
+    if request.param == "srun":
+        request.getfixturevalue("slurm")
+        return {"launcher": "srun", "launcher_args": ["--overcommit"]}  # 4 tasks on a 2-CPU node
+    return {"launcher": "torchrun"}
+
+
+def test_engine_gives_the_same_results_as_spawn(engine):
     spawned = nbdist.launch(rankfns.rank_sum, nprocs=4)
-    assert nbdist.launch(rankfns.rank_sum, nprocs=4, launcher="mpirun") == spawned == {r: 10.0 for r in range(4)}
+    assert nbdist.launch(rankfns.rank_sum, nprocs=4, **engine) == spawned == {r: 10.0 for r in range(4)}
 
 
-@needs_mpi
-def test_mpirun_ranks_have_torchrun_env_and_the_marker():
-    out = nbdist.launch(rankfns.report_env, nprocs=2, launcher="mpirun")
+def test_engine_ranks_have_torchrun_env_and_the_marker(engine):
+    out = nbdist.launch(rankfns.report_env, nprocs=2, **engine)
     assert {v["env"]["RANK"] for v in out.values()} == {"0", "1"}
+    assert {v["env"]["LOCAL_RANK"] for v in out.values()} == {"0", "1"}
+    assert all(v["env"]["WORLD_SIZE"] == "2" and v["env"]["MASTER_PORT"] for v in out.values())
     assert all(v["marker_in_exec_env"] and v["backend"] == "gloo" for v in out.values())
 
 
-@needs_mpi
-def test_mpirun_fail_fast_names_the_rank():
-    run = nbdist.launch(rankfns.fail_on, 2, "raise", nprocs=4, launcher="mpirun", join=False)
+def test_engine_fail_fast_names_the_rank(engine):
+    run = nbdist.launch(rankfns.fail_on, 2, "raise", nprocs=4, join=False, **engine)
     with pytest.raises(nbdist.WorkerFailedError) as info:
         run.wait(timeout=90)
     assert info.value.rank == 2 and "boom on rank 2" in str(info.value)
     assert run.ended - run.ranks[2].ended < 4.0
-
-
-@needs_mpi
-def test_mpirun_interrupt_takes_the_engine_ranks_and_dataloader_workers(tmp_path):
-    run = nbdist.launch(rankfns.sleep_with_loader, str(tmp_path), nprocs=2, launcher="mpirun", join=False,
-                        init_process_group=False)
-    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
-    assert len(marked_pids(run.run_id)) >= 6, "engine, 2 ranks and 4 DataLoader workers"
-    report = run.interrupt()
-    assert run.status == "interrupted" and not report.survivors
     assert not marked_pids(run.run_id)
 
 
-@needs_mpi
-def test_mpirun_dead_parent_leaves_nothing(run_script, tmp_path):
-    proc, run_id = start_parent_with_loader_ranks(run_script, tmp_path, launcher="mpirun")
+def test_engine_interrupt_takes_the_engine_ranks_and_dataloader_workers(engine, tmp_path):
+    run = nbdist.launch(rankfns.sleep_with_loader, str(tmp_path), nprocs=2, join=False, init_process_group=False,
+                        **engine)
+    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
+    assert len(marked_pids(run.run_id)) >= 6, "engine, 2 ranks and 4 DataLoader workers"
+    t0 = time.monotonic()
+    report = run.interrupt()
+    assert run.status == "interrupted" and not report.survivors
+    assert not marked_pids(run.run_id)
+    print(f"{engine['launcher']}: interrupt -> nothing left in {time.monotonic() - t0:.2f} s")
+
+
+def test_engine_dead_parent_leaves_nothing(engine, run_script, tmp_path):
+    proc, run_id = start_parent_with_loader_ranks(run_script, tmp_path, **engine)
     assert len(marked_pids(run_id)) >= 6
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     t0 = time.monotonic()
-    wait_for(lambda: not marked_pids(run_id), 3.0, what="engine, ranks and workers to die with their parent")
-    print(f"mpirun: parent death -> nothing left in {time.monotonic() - t0:.2f} s")
+    wait_for(lambda: not marked_pids(run_id), 5.0, what="engine, ranks and workers to die with their parent")
+    print(f"{engine['launcher']}: parent death -> nothing left in {time.monotonic() - t0:.2f} s")
 
 
-def test_missing_engine_is_one_clear_line(monkeypatch):
+# ---- torchrun across kernels ------------------------------------------------------------------
+NODE_SCRIPT = """
+import json, sys
+sys.path.insert(0, {here!r})
+import nbdist, rankfns
+out = nbdist.launch(rankfns.report_world, nprocs=2, launcher="torchrun", nnodes=2, node_rank=int(sys.argv[1]),
+                    master_addr=sys.argv[2], master_port=int(sys.argv[3]))
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(tmp_path, master_addr, prefix=lambda i: []):
+    """Two separate processes, node 1 started first, each a kernel with launcher='torchrun'."""
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT.format(here=HERE))
+    port = str(_free_port())
+    procs = [subprocess.Popen(prefix(k) + [sys.executable, str(script), str(k), master_addr, port],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (1, 0)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    node1, node0 = ({int(k): v for k, v in json.loads(o.split("RESULT ", 1)[1]).items()} if "RESULT " in o
+                    else pytest.fail(o) for o in outs)
+    return node0, node1
+
+
+def _check_world_of_4(node0, node1):
+    assert sorted(node0) == [0, 1] and sorted(node1) == [2, 3], "global rank = node_rank * nprocs + local rank"
+    for rank, v in {**node0, **node1}.items():
+        assert v["rank"] == rank and v["world_size"] == 4 and v["sum"] == 10.0
+        assert v["local_rank"] == rank % 2 and v["group_rank"] == rank // 2
+
+
+def test_two_torchrun_kernels_form_one_world_on_loopback(tmp_path):
+    _check_world_of_4(*_two_nodes(tmp_path, "127.0.0.1"))
+
+
+def test_two_torchrun_kernels_across_network_namespaces(tmp_path):
+    from clusters import NetnsPair, netns_missing
+
+    why = netns_missing()
+    if why:
+        pytest.skip(why)
+    pair = NetnsPair.create(str(os.getpid() % 10000))
+    try:
+        node0, node1 = _two_nodes(tmp_path, pair.addrs[0], prefix=lambda k: pair.command(k, []))
+    finally:
+        pair.remove()
+    _check_world_of_4(node0, node1)
+    # Each node's ranks advertised their own namespace's address, not loopback.
+    assert {v["master_addr"] for v in {**node0, **node1}.values()} <= set(pair.addrs)
+    assert {v["gloo_ifname"] for v in {**node0, **node1}.values()} <= {f"v{os.getpid() % 10000}a",
+                                                                      f"v{os.getpid() % 10000}b"}
+
+
+def test_torchrun_with_nnodes_needs_master_port():
+    with pytest.raises(nbdist.LaunchConfigError, match="nnodes=2 needs master_port="):
+        nbdist.launch(rankfns.rank_sum, nprocs=2, launcher="torchrun", nnodes=2)
+    with pytest.raises(nbdist.LaunchConfigError, match="node_rank=2 must be in 0..1"):
+        nbdist.launch(rankfns.rank_sum, nprocs=2, launcher="torchrun", nnodes=2, node_rank=2, master_port=1234)
+
+
+# ---- run dir and missing engines --------------------------------------------------------------
+@needs_mpi
+def test_ranks_that_cant_read_the_run_dir_say_so_in_one_line(tmp_path):
+    class OtherNodeLauncher(MpirunLauncher):
+        """Ranks on a node where the kernel's run dir does not exist (no shared filesystem)."""
+
+        def command(self, run_dir, nprocs):
+            return super().command(str(tmp_path / "not-shared" / os.path.basename(run_dir)), nprocs)
+
+    run = start_run(rankfns.rank_sum, (), {}, nprocs=2, launcher=OtherNodeLauncher())
+    with pytest.raises(nbdist.WorkerFailedError) as info:
+        run.wait(timeout=60)
+    assert "is not readable here; put the run dir on a shared path" in str(info.value)
+    assert info.value.failures[info.value.rank].exc_type is None
+
+
+@pytest.mark.parametrize("launcher, says", [
+    ("mpirun", r"launcher='mpirun' needs mpiexec.*pip install 'nbdist\[mpi\]'"),
+    ("srun", r"launcher='srun' needs Slurm's srun.*apt-get install slurm-wlm"),
+])
+def test_missing_engine_is_one_clear_line(monkeypatch, launcher, says):
     monkeypatch.setattr(shutil, "which", lambda *a, **k: None)
-    with pytest.raises(nbdist.LaunchConfigError, match=r"launcher='mpirun' needs mpiexec.*pip install 'nbdist\[mpi\]'"):
-        nbdist.launch(lambda: 1, nprocs=2, launcher="mpirun")
+    with pytest.raises(nbdist.LaunchConfigError, match=says):
+        nbdist.launch(lambda: 1, nprocs=2, launcher=launcher)
+
+
+def test_missing_torchrun_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(nbdist.LaunchConfigError, match=r"launcher='torchrun' needs torch.*pip install torch"):
+        nbdist.launch(lambda: 1, nprocs=2, launcher="torchrun")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..errors import LaunchConfigError
 
-__all__ = ["LAUNCHERS", "check_launcher_name", "make_engine_launcher"]
+__all__ = ["LAUNCHERS", "ENGINES", "check_launcher_name", "make_engine_launcher"]
 
-LAUNCHERS = ("auto", "spawn", "attach", "mpirun")
+ENGINES = ("torchrun", "mpirun", "srun")
+LAUNCHERS = ("auto", "spawn", "attach") + ENGINES
 
 
 def check_launcher_name(name) -> None:
@@ -14,14 +15,32 @@ def check_launcher_name(name) -> None:
         raise LaunchConfigError(f"unknown launcher {name!r}; choose one of: {', '.join(LAUNCHERS)}")
 
 
-def make_engine_launcher(name: str, launcher_args=None):
-    """The launcher object for an engine name ("mpirun"), or None for spawn/attach.
+def make_engine_launcher(name: str, launcher_args=None, nnodes: int = 1, node_rank: int = 0,
+                         master_addr: str = "127.0.0.1", master_port: int | None = None):
+    """The launcher object for an engine name ("torchrun", "mpirun", "srun"), or None for spawn/attach.
 
     A missing engine is one clear LaunchConfigError here, before anything is written.
     """
+    args = list(launcher_args or [])
     if name == "mpirun":
         from .mpirun import MpirunLauncher, find_mpiexec
 
         find_mpiexec()
-        return MpirunLauncher(launcher_args=list(launcher_args or []))
+        if nnodes != 1 or node_rank != 0:
+            raise LaunchConfigError("launcher='mpirun' places ranks on nodes itself: pass a hostfile in "
+                                    "launcher_args=['--hostfile', F], not nnodes/node_rank")
+        return MpirunLauncher(launcher_args=args)
+    if name == "srun":
+        from .srun import SrunLauncher, find_srun
+
+        find_srun()
+        if node_rank != 0:
+            raise LaunchConfigError("launcher='srun' places tasks on nodes itself: use nnodes (-N), not node_rank")
+        return SrunLauncher(launcher_args=args, nnodes=nnodes)
+    if name == "torchrun":
+        from .torchrun import TorchrunLauncher, check_torchrun
+
+        check_torchrun()
+        return TorchrunLauncher(launcher_args=args, nnodes=nnodes, node_rank=node_rank,
+                                master_addr=master_addr, master_port=master_port)
     return None

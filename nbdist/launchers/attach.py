@@ -1,6 +1,10 @@
 """Attach: this process already is a rank of a torchrun, MPI or Slurm world, so the function runs here.
 
-No process is made. The process group comes from the world's own rendezvous (torchrun's
+:func:`run_attached` makes no process. :func:`run_per_kernel` (``nprocs=N`` in such a kernel)
+makes each kernel spawn N local ranks of one bigger world instead: global rank = kernel rank
+x N + local rank, and the kernels meet at a store that kernel 0 hosts and broadcasts.
+
+In :func:`run_attached`, no process is made. The process group comes from the world's own rendezvous (torchrun's
 env://), or, under MPI, from a store that rank 0 hosts and whose address it broadcasts. Every
 rank gets back the same ``{rank: value}`` dict, or the same WorkerFailedError.
 """
@@ -13,12 +17,13 @@ import socket
 from ..errors import LaunchConfigError, RankFailure, WorkerFailedError
 from ..world import WorldInfo
 
-__all__ = ["run_attached", "mpi_world"]
+__all__ = ["run_attached", "start_per_kernel", "gather_per_kernel", "run_per_kernel", "mpi_world",
+           "slurm_meeting_point", "first_slurm_host"]
 
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
 # that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
 # the same rendezvous would meet the previous round's keys.
-_KEEP = {"rendezvous": None, "gathers": 0}
+_KEEP = {"rendezvous": None, "gathers": 0, "hosted": None}
 
 
 def mpi_world():
@@ -69,6 +74,44 @@ def _join_group_mpi(comm, rank, size, single_node, dist_url, backend):
     return rdzv
 
 
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: ``"gpu[03-05,07],cpu1"`` -> ``"gpu03"``."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0] + "]"
+    if "[" not in head:
+        return head
+    prefix, ranges = head.rstrip("]").split("[", 1)
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def slurm_meeting_point(env) -> tuple[str, int]:
+    """Where the tasks of a Slurm step meet: MASTER_ADDR/PORT if set, else derived from the step.
+
+    The port comes from the job and step ids, so tasks of different steps on one node don't collide.
+    """
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or 1)
+    addr = "127.0.0.1" if nodes == 1 else socket.gethostbyname(first_slurm_host(env["SLURM_STEP_NODELIST"]))
+    job, step = int(env.get("SLURM_JOB_ID") or 0), int(env.get("SLURM_STEP_ID") or 0)
+    return addr, 20000 + (job * 31 + step) % 20000
+
+
+def _join_group_slurm(rank, size, backend):
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..rendezvous import open_rendezvous
+
+    addr, port = slurm_meeting_point(os.environ)
+    rdzv = open_rendezvous("auto", size, host=addr, port=port) if rank == 0 else None
+    store = rdzv.store if rdzv else dist.TCPStore(addr, port, size, is_master=False,
+                                                 timeout=datetime.timedelta(minutes=5))
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
+    return rdzv
+
+
 def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
     """Run ``fn`` as this rank of ``world``; return every rank's value, gathered, on every rank."""
     import cloudpickle
@@ -81,11 +124,6 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     local_rank, local_size = world.local_rank, world.local_world_size
     if world.kind == "mpi":
         comm, rank, size, local_rank, local_size = mpi_world()
-    elif world.kind == "slurm" and dist_url == "auto" and init_process_group:
-        raise LaunchConfigError(
-            "attaching to a Slurm step needs a rendezvous: run the kernel with 'srun --mpi=pmi2' and mpi4py, "
-            "or pass dist_url='tcp://HOST:PORT' (or 'env://' with MASTER_ADDR/MASTER_PORT)"
-        )
     local_rank = local_rank if local_rank is not None else 0
     local_size = local_size if local_size is not None else 1
     os.environ.update(
@@ -96,6 +134,10 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
         bind_device(local_rank, backend)
         if comm is not None:
             _KEEP["rendezvous"] = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
+        elif world.kind == "slurm" and dist_url == "auto":
+            # A plain srun step has no channel between its tasks: they meet where rank 0 hosts a
+            # store, at an address and port that every task works out alone from the step's env.
+            _KEEP["rendezvous"] = _join_group_slurm(rank, size, backend)
         else:
             init = "env://" if dist_url == "auto" else dist_url
             dist.init_process_group(backend=backend, init_method=init, rank=rank, world_size=size)
@@ -148,3 +190,90 @@ def _gather(mine, comm, rank, size):
     out = [None] * size
     dist.all_gather_object(out, mine)
     return out
+
+
+def _broadcast(value, comm, rank):
+    """Kernel 0's ``value`` on every kernel: over MPI, or over torchrun's agent store."""
+    if comm is not None:
+        return comm.bcast(value, root=0)
+    import pickle
+
+    import torch.distributed as dist
+
+    _KEEP["gathers"] += 1
+    key = f"nbdist/bcast/{_KEEP['gathers']}"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    if rank == 0:
+        store.set(key, pickle.dumps(value))
+    store.wait([key])
+    return pickle.loads(store.get(key))
+
+
+def _kernel_channel(world: WorldInfo):
+    """``(comm, rank, size, local_size)`` for talking between the kernels of ``world``."""
+    if world.kind == "mpi":
+        comm, rank, size, _local, local_size = mpi_world()
+        return comm, rank, size, local_size
+    if world.kind == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None, world.rank, world.world_size, world.local_world_size
+    raise LaunchConfigError(
+        f"nprocs= in a kernel that is a rank of a {world.kind} world needs a channel between the kernels: "
+        "start the kernels with mpirun (or 'srun --mpi=pmi2') and mpi4py, or with torchrun"
+    )
+
+
+def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_process_group=True, **run_kwargs):
+    """Start this kernel's ``nprocs`` ranks of one world made of every kernel of ``world``.
+
+    Kernel k's ranks are ``k * nprocs + local_rank``. Kernel 0 hosts the store (on loopback when
+    every kernel shares its machine) and broadcasts where it is; it keeps the store until its
+    next such launch, so that kernels which finish later never lose it. Every kernel must call
+    this in the same order (as cells run under ``%px``). Returns ``(run, channel)``.
+    """
+    from ..rendezvous import Rendezvous, open_rendezvous
+    from ..run import start_run
+    from .spawn import SpawnLauncher
+
+    comm, rank, size, local_size = channel = _kernel_channel(world)
+    rdzv = None
+    if init_process_group:
+        hosted = None
+        if rank == 0:
+            _KEEP["hosted"] = None  # the previous launch's store: every kernel is past it now
+            hosted = open_rendezvous("auto", size * nprocs, host=_node_address(local_size == size))
+            _KEEP["hosted"] = hosted.store
+        addr, port = _broadcast((hosted.master_addr, hosted.master_port) if hosted else None, comm, rank)
+        rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)
+    launcher = SpawnLauncher(start_method=run_kwargs.pop("start_method", "spawn"), nnodes=size, node_rank=rank)
+    run = start_run(fn, args, kwargs, nprocs=nprocs, init_process_group=init_process_group,
+                    launcher=launcher, rendezvous=rdzv, **run_kwargs)
+    return run, channel
+
+
+def gather_per_kernel(run, channel) -> dict:
+    """Wait for this kernel's ranks, then every rank's value on every kernel (or one shared error)."""
+    comm, rank, size, _ = channel
+    stopped = None
+    try:
+        mine = (True, run.wait(), None)
+    except WorkerFailedError as exc:
+        mine = (False, exc.results, exc.failures)
+    except Exception as exc:  # stopped or timed out here: the other kernels must not wait for us forever
+        stopped, mine = exc, (False, run.results, {})
+    everyone = _gather(mine, comm, rank, size)
+    if stopped is not None:
+        raise stopped
+    results, failures = {}, {}
+    for _ok, res, fails in everyone:
+        results.update(res)
+        failures.update(fails or {})
+    if failures or not all(ok for ok, _, _ in everyone):
+        raise WorkerFailedError(failures, dict(sorted(results.items())), run.run_dir,
+                                None if failures else "a kernel of this world stopped its ranks")
+    return dict(sorted(results.items()))
+
+
+def run_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, **run_kwargs) -> dict:
+    """Every kernel of ``world`` spawns ``nprocs`` local ranks; every kernel gets every rank's value."""
+    run, channel = start_per_kernel(fn, args, kwargs, world, nprocs, **run_kwargs)
+    return gather_per_kernel(run, channel)

@@ -101,6 +101,13 @@ class SpawnLauncher:
 
     start_method: str = "spawn"
     name: str = "spawn"
+    # One spawning kernel per node of a bigger world (attach with --nprocs): this kernel's ranks
+    # are node_rank * nprocs + local rank.
+    nnodes: int = 1
+    node_rank: int = 0
+
+    def world_size_for(self, nprocs: int) -> int:
+        return self.nnodes * nprocs
 
     def __post_init__(self):
         self._context = None

@@ -1,0 +1,146 @@
+"""What every engine launcher shares: start the engine in a session of its own, follow the ranks
+through the run dir, and hand the engine's session to the teardown.
+
+An engine (mpiexec, torchrun, srun) starts the ranks; nbdist only builds its command and env.
+The engine runs in a session of its own, so a stop reaches it and everything it started; it
+dies with the kernel (PR_SET_PDEATHSIG, set between fork and exec); and every rank registers
+its pid in the run dir, because the engine does not tell us. Ranks that srun starts are not
+even our descendants: the teardown finds them by the run's marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from .. import payload
+from ..payload import RUN_DIR_ENV, RUN_ID_ENV
+from ..proctree import is_gone
+from ..worker import _set_pdeathsig
+
+__all__ = ["EngineLauncher", "python_path_for_ranks", "tail_engine_log"]
+
+ENGINE_LOG = "launcher.log"
+
+
+def python_path_for_ranks() -> str:
+    """PYTHONPATH that lets the ranks import by name what the kernel imports by name."""
+    paths = [p or os.getcwd() for p in sys.path] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    return os.pathsep.join(dict.fromkeys(paths))
+
+
+def tail_engine_log(run_dir: str, max_lines: int = 12) -> str:
+    """The last lines the engine itself printed (its own errors, ranks that never started)."""
+    try:
+        with open(os.path.join(run_dir, ENGINE_LOG), errors="backslashreplace") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-max_lines:])
+
+
+@dataclass
+class EngineLauncher:
+    """Start ``nprocs`` ranks (of this node) through an engine, and follow them through the run dir.
+
+    Subclasses say which command starts the engine; everything else is shared. Rank slots are
+    0..nprocs-1 on this node; the ranks register under their global rank
+    (``node_rank * nprocs + slot``).
+    """
+
+    launcher_args: list = field(default_factory=list)
+    nnodes: int = 1
+    node_rank: int = 0
+    name: str = "engine"
+    # The kernel hosts the TCPStore the ranks meet at (False where the engine brings its own).
+    hosts_rendezvous: bool = True
+
+    def __post_init__(self):
+        self._engine: subprocess.Popen | None = None
+        self._run_dir: str | None = None
+        self._nprocs = 0
+        self._pids: dict[int, int] = {}
+        self._codes: dict[int, int | None] = {}
+
+    # ---- what a subclass provides -------------------------------------------------------
+    def command(self, run_dir: str, nprocs: int) -> list[str]:
+        raise NotImplementedError
+
+    def engine_env(self, nprocs: int) -> dict[str, str]:
+        """Extra env for the engine and its ranks."""
+        return {}
+
+    def world_size_for(self, nprocs: int) -> int:
+        """The whole world's size when this node starts ``nprocs`` ranks."""
+        return nprocs
+
+    # ---- shared -----------------------------------------------------------------------------
+    def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
+        cmd = self.command(run_dir, nprocs)
+        child_env = dict(os.environ, **self.engine_env(nprocs), **env, **{RUN_ID_ENV: run_id, RUN_DIR_ENV: run_dir})
+        child_env.setdefault("OMP_NUM_THREADS", "1")
+        child_env["PYTHONPATH"] = python_path_for_ranks()
+        self._run_dir, self._nprocs = run_dir, nprocs
+        self._codes = dict.fromkeys(range(nprocs))
+        # PDEATHSIG follows the thread that forks: only the main thread lives as long as the kernel.
+        # SIGTERM, so that the engine takes down the ranks it started before it goes.
+        die_with_parent = None
+        if threading.current_thread() is threading.main_thread():
+            die_with_parent = functools.partial(_set_pdeathsig, signal.SIGTERM)
+        log = os.open(os.path.join(run_dir, ENGINE_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self._engine = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                            start_new_session=True, preexec_fn=die_with_parent)
+        finally:
+            os.close(log)
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """slot -> pid of the ranks that have registered so far."""
+        if self._run_dir and len(self._pids) < self._nprocs:
+            offset = self.node_rank * self._nprocs
+            self._pids = {
+                r - offset: p for r, p in payload.read_pids(self._run_dir).items() if 0 <= r - offset < self._nprocs
+            }
+        return dict(self._pids)
+
+    def sentinels(self) -> list[int]:
+        return []
+
+    def poll(self) -> dict[int, int | None]:
+        """slot -> exit code as far as the run dir tells it: 0 with a result, 1 with an error."""
+        engine = None if self._engine is None else self._engine.poll()
+        offset = self.node_rank * self._nprocs
+        for slot, pid in self.pids.items():
+            if self._codes[slot] is None and is_gone(pid):
+                ok, _ = payload.read_result(self._run_dir, offset + slot)
+                self._codes[slot] = 0 if ok else 1
+        if engine is not None:  # the engine is gone: ranks that never reported died with it
+            for slot in self._codes:
+                if self._codes[slot] is None:
+                    pid = self._pids.get(slot)
+                    if pid is None or is_gone(pid):
+                        self._codes[slot] = engine if engine != 0 else 1
+        return dict(self._codes)
+
+    def collect_exited(self, run_dir: str, known: set[int]) -> dict[int, int]:
+        return {r: c for r, c in self.poll().items() if c is not None and r not in known}
+
+    def leaders(self) -> list[int]:
+        """The engine's session first (it holds every process it started), then live ranks."""
+        out = [self._engine.pid] if self._engine is not None and self._engine.poll() is None else []
+        return out + [pid for pid in self.pids.values() if not is_gone(pid)]
+
+    def engine_log(self) -> str:
+        return tail_engine_log(self._run_dir) if self._run_dir else ""
+
+    def close(self) -> None:
+        if self._engine is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._engine.wait(timeout=5)

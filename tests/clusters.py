@@ -1,0 +1,196 @@
+"""Real engines' infrastructure for the tests, made and removed by them.
+
+- :class:`SlurmCluster`: munge + a single-node slurmctld and slurmd on 127.0.0.1 (Debian's
+  slurm-wlm), as in ``../shared/recipes``. Stopped by the pids it started, never by name.
+- :class:`NetnsPair`: two network namespaces joined by a veth pair, each with its own address,
+  so that two "nodes" on this machine really talk over a network.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+__all__ = ["SlurmCluster", "slurm_missing", "NetnsPair", "netns_missing"]
+
+_SLURM_CONF = """\
+ClusterName=nbdist
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+AuthType=auth/munge
+AuthInfo=socket={dir}/munge/munge.socket.2
+CredType=cred/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+ReturnToService=2
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def slurm_missing() -> str | None:
+    """Why a Slurm cluster can't be made here, or None."""
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "srun", "sinfo", "runuser") if not shutil.which(b)]
+    if missing:
+        return f"Slurm is not installed ({', '.join(missing)} missing): apt-get install slurm-wlm"
+    if os.geteuid() != 0:
+        return "starting slurmd needs root"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_tree(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Stop a daemon we started, and its children, by pid."""
+    try:
+        procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=timeout)
+
+
+@dataclass
+class SlurmCluster:
+    """One node, one partition ("debug"), on loopback; ``env`` points srun/sinfo at it."""
+
+    dir: str
+    env: dict = field(default_factory=dict)
+    procs: list = field(default_factory=list)
+
+    @classmethod
+    def start(cls, base: str, timeout: float = 30.0) -> "SlurmCluster":
+        os.chmod(base, 0o755)  # munge runs as its own user and must reach its socket
+        for sub in ("munge", "state", "spool"):
+            os.makedirs(os.path.join(base, sub), exist_ok=True)
+        munge = os.path.join(base, "munge")
+        shutil.chown(munge, "munge", "munge")
+        os.chmod(munge, 0o755)
+        conf = os.path.join(base, "slurm.conf")
+        with open(conf, "w") as fh:
+            fh.write(_SLURM_CONF.format(host=socket.gethostname(), dir=base, ctld_port=_free_port(),
+                                        d_port=_free_port(), cpus=os.cpu_count() or 2))
+        cluster = cls(base, {"SLURM_CONF": conf})
+        env = dict(os.environ, SLURM_CONF=conf)
+        log = open(os.path.join(base, "daemons.log"), "ab")
+        try:
+            cluster.procs.append(subprocess.Popen(
+                ["runuser", "-u", "munge", "--", "munged", "-F", f"--socket={munge}/munge.socket.2",
+                 f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"],
+                stdout=log, stderr=log, env=env))
+            _wait(lambda: os.path.exists(f"{munge}/munge.socket.2"), 10, "munged's socket")
+            cluster.procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], stdout=log, stderr=log, env=env))
+            cluster.procs.append(subprocess.Popen(["slurmd", "-D"], stdout=log, stderr=log, env=env))
+            _wait(lambda: cluster.idle(), timeout, "the Slurm node to be idle")
+        except BaseException:
+            cluster.stop()
+            raise
+        finally:
+            log.close()
+        return cluster
+
+    def idle(self) -> bool:
+        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
+                             env=dict(os.environ, **self.env))
+        return out.returncode == 0 and out.stdout.strip() in ("idle", "mix", "alloc")
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            _stop_tree(proc)
+        self.procs.clear()
+
+
+def _wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"timed out after {timeout} s waiting for {what}")
+
+
+def netns_missing() -> str | None:
+    """Why two network namespaces can't be made here, or None."""
+    if not shutil.which("ip"):
+        return "iproute2's ip is not installed"
+    probe = f"nbdprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"not permitted to make network namespaces here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+@dataclass
+class NetnsPair:
+    """Namespaces ``names[0]`` and ``names[1]`` with ``addrs[0]`` and ``addrs[1]`` on a veth pair."""
+
+    names: tuple
+    addrs: tuple
+
+    @classmethod
+    def create(cls, tag: str) -> "NetnsPair":
+        names = (f"nbd{tag}a", f"nbd{tag}b")
+        addrs = ("10.213.7.1", "10.213.7.2")
+        pair = cls(names, addrs)
+        try:
+            _ip("link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b")
+            for i, ns in enumerate(names):
+                _ip("netns", "add", ns)
+                veth = f"v{tag}{'ab'[i]}"
+                _ip("link", "set", veth, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{addrs[i]}/24", "dev", veth)
+                _ip("-n", ns, "link", "set", veth, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            pair.remove()
+            raise
+        return pair
+
+    def command(self, index: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.names[index], *argv]
+
+    def remove(self) -> None:
+        for ns in self.names:  # deleting a namespace deletes its end of the veth, and so the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _ip(*args) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
