@@ -8,12 +8,18 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 stamp=.venv/.nbdist-installed
-# The browser tests drive Debian's Chromium (never a browser that playwright downloads).
-if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1; then
+# Debian packages the tests drive for real: Chromium for the browser tests (never a browser that
+# playwright downloads), Slurm with munge for the srun launcher and Slurm attach, iproute2 for the
+# network-namespace test. MPI comes from pip (mpi4py + mpich, in the test extra).
+apt_wanted=()
+[ -x /usr/bin/chromium ] || apt_wanted+=(chromium)
+command -v slurmctld >/dev/null 2>&1 || apt_wanted+=(slurm-wlm)
+command -v ip >/dev/null 2>&1 || apt_wanted+=(iproute2)
+if [ ${#apt_wanted[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_wanted[@]}" >/dev/null
     else
-        echo "note: /usr/bin/chromium is missing; the browser tests will be skipped (apt-get install chromium)" >&2
+        echo "note: ${apt_wanted[*]} missing (not root); the tests that need them will be skipped" >&2
     fi
 fi
 want=$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)

@@ -72,3 +72,63 @@ def test_mpi_attach_with_local_rank_from_shared_memory_split(tmp_path):
     world = _check_world(out.stdout, 4)
     assert sorted(v[2] for v in world.values()) == [0, 1, 2, 3]
     assert "FAILED 1 {0: 7, 2: 7, 3: 7}" in out.stdout, out.stdout + out.stderr
+
+
+def test_slurm_attach_under_srun(tmp_path, slurm):
+    """A plain ``srun -n 4`` step (no PMI): the tasks meet at a store rank 0 hosts on a derived port."""
+    script = tmp_path / "attach_slurm.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(["srun", "-n", "4", "--overcommit", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    world = _check_world(out.stdout, 4)
+    assert sorted(v[2] for v in world.values()) == [0, 1, 2, 3]
+    assert "FAILED 1 {0: 7, 2: 7, 3: 7}" in out.stdout, out.stdout + out.stderr
+
+
+PER_KERNEL = textwrap.dedent(
+    """
+    import os, sys, nbdist
+    sys.path.insert(0, {here!r})
+    import rankfns
+
+    if __name__ == "__main__":
+        res = nbdist.launch(rankfns.report_world, nprocs=2)
+        me = os.environ.get("PMI_RANK") or os.environ.get("RANK")
+        print(f"RESULT {{me}} {{res!r}} {{os.getpid()}}\\n", end="", flush=True)
+        try:
+            nbdist.launch(rankfns.fail_on, 3, "raise", nprocs=2)
+        except nbdist.WorkerFailedError as e:
+            print(f"FAILED {{me}} {{e.rank}}\\n", end="", flush=True)
+    """
+)
+
+
+def _check_per_kernel(out: str):
+    results = _results(out, 2)
+    first = results[0][0]
+    assert all(res == first for res, _ in results), "every kernel gets every rank's value"
+    assert sorted(first) == [0, 1, 2, 3]
+    for rank, v in first.items():
+        assert v["rank"] == rank and v["world_size"] == 4 and v["sum"] == 10.0
+        assert v["local_rank"] == rank % 2 and v["group_rank"] == rank // 2, "global rank = kernel rank x N + local"
+    # Both kernels name rank 3 as the root cause, whichever kernel it ran under.
+    assert sorted(line.split()[2] for line in out.splitlines() if line.startswith("FAILED ")) == ["3", "3"], out
+
+
+def test_nprocs_in_mpi_kernels_spawns_per_kernel(tmp_path):
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
+    script = tmp_path / "per_kernel_mpi.py"
+    script.write_text(PER_KERNEL.format(here=os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    _check_per_kernel(out.stdout + out.stderr)
+
+
+def test_nprocs_in_torchrun_kernels_spawns_per_kernel(tmp_path):
+    script = tmp_path / "per_kernel_torchrun.py"
+    script.write_text(PER_KERNEL.format(here=os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    _check_per_kernel(out.stdout + out.stderr)

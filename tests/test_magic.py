@@ -245,3 +245,25 @@ def test_cell_under_mpirun(kernel):
     assert res.status == "ok", res.error_text + res.stdout
     assert "[rank 0] mpi rank 0 of 2" in res.stdout and "[rank 1] mpi rank 1 of 2" in res.stdout
     assert kernel.run("_dist.results").result == "{0: 0, 1: 1}"
+
+
+@pytest.mark.parametrize("engine", ["torchrun", "srun"])
+def test_cell_under_torchrun_and_srun(kernel, engine, request):
+    extra = ""
+    if engine == "srun":
+        cluster = request.getfixturevalue("slurm_cluster")
+        # The kernel was started before this test: point its srun at the test's Slurm.
+        assert kernel.run(f"import os; os.environ['SLURM_CONF'] = {cluster.env['SLURM_CONF']!r}").status == "ok"
+        extra = " --launcher-args '--overcommit'"
+    res = kernel.run(f"%%distributed -n 2 --launcher {engine}{extra} --view text\nimport torch.distributed as dist\n"
+                     "print('rank', dist.get_rank(), 'of', dist.get_world_size())\ndist.get_rank()")
+    assert res.status == "ok", res.error_text + res.stdout
+    assert "[rank 0] rank 0 of 2" in res.stdout and "[rank 1] rank 1 of 2" in res.stdout
+    assert kernel.run("_dist.results").result == "{0: 0, 1: 1}"
+
+
+def test_engine_options_are_checked_before_anything_starts(kernel):
+    res = kernel.run("%%distributed -n 2 --nnodes 2\n1")
+    assert res.status == "error" and "--nnodes, --node-rank and --master-port are for --launcher" in res.error_text
+    res = kernel.run("%%distributed -n 2 --launcher torchrun --nnodes 2\n1")
+    assert res.status == "error" and "nnodes=2 needs master_port=" in res.error_text

@@ -39,5 +39,6 @@ class SrunLauncher(EngineLauncher):
         if self.nnodes > 1:
             cmd += ["-N", str(self.nnodes)]
         # --kill-on-bad-exit: one failing task ends the step, as fail-fast does for spawn.
-        cmd += ["--kill-on-bad-exit=1", "--export=ALL"]
+        # --label: what a task prints before it reaches its log (an import error) says whose it is.
+        cmd += ["--kill-on-bad-exit=1", "--export=ALL", "--label"]
         return cmd + [str(a) for a in self.launcher_args] + [sys.executable, "-m", "nbdist.worker", run_dir]
