@@ -25,7 +25,8 @@ def _tracker_pid():
     return getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
 
 
-def _live_descendants() -> set[int]:
+def live_descendants() -> set[int]:
+    """Live, non-zombie descendants of this process, minus the long-lived helper trees."""
     out = set()
     ignored = set(IGNORED_TREES)
     for root in IGNORED_TREES:
@@ -53,7 +54,7 @@ def _leftovers(before: set[int]) -> dict[int, str]:
     # marked window, so it carries no marker; a tracker *with* a marker is still reported below.
     ignore = before | {_tracker_pid()}
     left = {}
-    for pid in _live_descendants() - ignore:
+    for pid in live_descendants() - ignore:
         try:
             cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.NoSuchProcess:
@@ -68,7 +69,7 @@ def _leftovers(before: set[int]) -> dict[int, str]:
 @pytest.fixture(autouse=True)
 def no_process_left():
     """Record descendants before the test; fail if any new one, or any marked process, outlives it."""
-    before = _live_descendants()
+    before = live_descendants()
     yield
     deadline = time.monotonic() + GRACE_S
     left = _leftovers(before)

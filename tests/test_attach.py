@@ -132,3 +132,37 @@ def test_nprocs_in_torchrun_kernels_spawns_per_kernel(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
     _check_per_kernel(out.stdout + out.stderr)
+
+
+MAGIC_UNDER_MPI = textwrap.dedent(
+    """
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbdist")
+    shell.user_ns["scale"] = 10
+    cell = "import torch.distributed as dist\\nprint('hello from', dist.get_rank())\\ndist.get_rank() * scale\\n"
+    # --nprocs in a kernel that is an MPI rank: this kernel spawns 2 ranks of a world of 4.
+    shell.run_cell_magic("distributed", "--nprocs 2 --view text", cell)
+    print("RESULTS", dict(shell.user_ns["_dist"].results), flush=True)
+    # Without --nprocs the kernel itself is the rank (in-process attach).
+    value = shell.run_cell_magic("distributed", "", "import torch.distributed as dist\\ndist.get_world_size()")
+    print("ATTACHED", value, flush=True)
+    """
+)
+
+
+def test_magic_in_kernels_under_mpi(tmp_path):
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
+    script = tmp_path / "magic_mpi.py"
+    script.write_text(MAGIC_UNDER_MPI)
+    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    text = out.stdout + out.stderr
+    # Each kernel shows its own ranks live: kernel 0 ranks 0-1, kernel 1 ranks 2-3.
+    for rank in range(4):
+        assert f"[rank {rank}] hello from {rank}" in text, text
+    assert text.count("RESULTS {0: 0, 1: 10}") == 1 and text.count("RESULTS {2: 20, 3: 30}") == 1, text
+    assert text.count("ATTACHED 2") == 2, text

@@ -14,12 +14,19 @@ import pytest
 import nbdist
 from nbdist.errors import LaunchConfigError
 from nbdist.world import detect_world
-from conftest import ROOT, marked_pids, wait_for
+from conftest import ROOT, live_descendants, marked_pids, wait_for
 
 
 def _children():
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+    # Not the session's helpers (the test Slurm's daemons), nor the kernel's resource tracker.
+    out = []
+    for pid in live_descendants():
+        try:
+            if "resource_tracker" not in " ".join(psutil.Process(pid).cmdline()):
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 @pytest.mark.parametrize(
