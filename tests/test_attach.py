@@ -144,10 +144,11 @@ MAGIC_UNDER_MPI = textwrap.dedent(
     cell = "import torch.distributed as dist\\nprint('hello from', dist.get_rank())\\ndist.get_rank() * scale\\n"
     # --nprocs in a kernel that is an MPI rank: this kernel spawns 2 ranks of a world of 4.
     shell.run_cell_magic("distributed", "--nprocs 2 --view text", cell)
-    print("RESULTS", dict(shell.user_ns["_dist"].results), flush=True)
+    # One write per line: the two kernels share the pipe.
+    print(f"RESULTS {dict(shell.user_ns['_dist'].results)}\\n", end="", flush=True)
     # Without --nprocs the kernel itself is the rank (in-process attach).
     value = shell.run_cell_magic("distributed", "", "import torch.distributed as dist\\ndist.get_world_size()")
-    print("ATTACHED", value, flush=True)
+    print(f"ATTACHED {value}\\n", end="", flush=True)
     """
 )
 
