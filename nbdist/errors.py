@@ -108,11 +108,13 @@ class WorkerFailedError(RuntimeError):
         Where the full logs and tracebacks are kept.
     """
 
-    def __init__(self, failures: dict[int, RankFailure], results=None, run_dir=None, reason=None):
+    def __init__(self, failures: dict[int, RankFailure], results=None, run_dir=None, reason=None, elsewhere=()):
         self.failures = dict(failures)
         self.results = dict(results or {})
         self.run_dir = run_dir
         self.reason = reason
+        # Ranks of the world that other kernels (other nodes) run: the root cause may be there.
+        self.elsewhere = sorted(elsewhere)
         self.rank = self._root_cause_rank()
         super().__init__(self._compose())
 
@@ -153,11 +155,17 @@ class WorkerFailedError(RuntimeError):
             return self.reason or "the run failed"
         root = self.failures[self.rank]
         lines = [f"rank {self.rank} failed first: {root.describe()}"]
+        remote_root = bool(self.elsewhere) and all(f.secondary for f in self.failures.values())
+        if remote_root:
+            # Every rank here only lost a peer: naming one of them "first" would send the user
+            # to the wrong log.
+            lines = [f"{format_rank_set(self.failures)} lost their peers: a rank on another node "
+                     f"({format_rank_set(self.elsewhere)}) failed first; its kernel and logs have the root cause"]
         if self.reason:
             lines[0] = f"{self.reason}; " + lines[0]
         others = sorted(r for r in self.failures if r != self.rank)
         consequences = [r for r in others if self.failures[r].secondary]
-        if consequences:
+        if consequences and not remote_root:
             lines.append(f"then {format_rank_set(consequences)} lost their peer")
         if set(others) - set(consequences):
             lines.append(f"also failed: {format_rank_set(set(others) - set(consequences))}")

@@ -349,7 +349,9 @@ class Run:
             self.rendezvous.close()
         self.report = report
         if status == "failed":
-            self.error = error_type(self._collect_failures(), self.results, self.run_dir, reason)
+            here = {self.global_rank(r) for r in self.ranks}
+            self.error = error_type(self._collect_failures(), self.results, self.run_dir, reason,
+                                    elsewhere=set(range(self.spec.world_size)) - here)
         elif status in ("interrupted", "killed"):
             self.error = RunStoppedError(status, self.results, self.run_dir, report)
         self._status = status

@@ -88,9 +88,13 @@ NODE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {here!r})
 import nbdist, rankfns
-out = nbdist.launch(rankfns.report_world, nprocs=2, launcher="torchrun", nnodes=2, node_rank=int(sys.argv[1]),
-                    master_addr=sys.argv[2], master_port=int(sys.argv[3]))
-print("RESULT " + json.dumps(out), flush=True)
+fn, args = (rankfns.report_world, ()) if sys.argv[4] == "ok" else (rankfns.fail_on, (3, "raise"))
+try:
+    out = nbdist.launch(fn, *args, nprocs=2, launcher="torchrun", nnodes=2, node_rank=int(sys.argv[1]),
+                        master_addr=sys.argv[2], master_port=int(sys.argv[3]), timeout=100)
+    print("RESULT " + json.dumps(out), flush=True)
+except nbdist.WorkerFailedError as e:
+    print("RESULT " + json.dumps({{"error": str(e).split(chr(10))[0]}}), flush=True)
 """
 
 
@@ -100,12 +104,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(tmp_path, master_addr, prefix=lambda i: []):
+def _two_nodes(tmp_path, master_addr, prefix=lambda i: [], mode="ok"):
     """Two separate processes, node 1 started first, each a kernel with launcher='torchrun'."""
     script = tmp_path / "node.py"
     script.write_text(NODE_SCRIPT.format(here=HERE))
     port = str(_free_port())
-    procs = [subprocess.Popen(prefix(k) + [sys.executable, str(script), str(k), master_addr, port],
+    procs = [subprocess.Popen(prefix(k) + [sys.executable, str(script), str(k), master_addr, port, mode],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (1, 0)]
     outs = []
     try:
@@ -116,8 +120,9 @@ def _two_nodes(tmp_path, master_addr, prefix=lambda i: []):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    node1, node0 = ({int(k): v for k, v in json.loads(o.split("RESULT ", 1)[1]).items()} if "RESULT " in o
-                    else pytest.fail(o) for o in outs)
+    node1, node0 = (json.loads(o.split("RESULT ", 1)[1]) if "RESULT " in o else pytest.fail(o) for o in outs)
+    if mode == "ok":
+        node0, node1 = ({int(k): v for k, v in node.items()} for node in (node0, node1))
     return node0, node1
 
 
@@ -130,6 +135,16 @@ def _check_world_of_4(node0, node1):
 
 def test_two_torchrun_kernels_form_one_world_on_loopback(tmp_path):
     _check_world_of_4(*_two_nodes(tmp_path, "127.0.0.1"))
+
+
+def test_a_failure_on_one_torchrun_node_ends_both_and_each_names_it(tmp_path):
+    t0 = time.monotonic()
+    node0, node1 = _two_nodes(tmp_path, "127.0.0.1", mode="fail")
+    assert node1["error"].startswith("rank 3 failed first: raised ValueError: boom on rank 3")
+    # Node 0's ranks only lost their peers: its error sends the user to the other node, not to rank 0.
+    assert node0["error"] == ("ranks 0-1 lost their peers: a rank on another node (ranks 2-3) failed first; "
+                              "its kernel and logs have the root cause")
+    assert time.monotonic() - t0 < 60, "no kernel waited for its timeout"
 
 
 def test_two_torchrun_kernels_across_network_namespaces(tmp_path):
