@@ -147,6 +147,43 @@ def test_a_failure_on_one_torchrun_node_ends_both_and_each_names_it(tmp_path):
     assert time.monotonic() - t0 < 60, "no kernel waited for its timeout"
 
 
+HOST_SCRIPT = """
+import json, sys
+sys.path.insert(0, {here!r})
+import nbdist, rankfns
+run = nbdist.launch(rankfns.report_world, nprocs=2, launcher="torchrun", nnodes=2, master_addr="127.0.0.1",
+                    master_port={port}, run_dir={shared!r}, join=False, timeout=100)
+print("JOIN " + run.launcher.node_command(1), flush=True)
+print("RESULT " + json.dumps(run.wait()), flush=True)
+"""
+
+
+def test_a_kernel_and_a_torchrun_started_by_hand_form_one_world(tmp_path):
+    shared = tmp_path / "shared-runs"  # what another machine would mount
+    script = tmp_path / "host.py"
+    script.write_text(HOST_SCRIPT.format(here=HERE, port=_free_port(), shared=str(shared)))
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        join = kernel.stdout.readline()
+        assert join.startswith("JOIN NBDIST_NODE_RANK=1 torchrun --nnodes 2 --nproc-per-node 2"), join
+        assert "-m nbdist.worker " + str(shared) in join and "is_host=false" in join
+        env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+                   PYTHONPATH=HERE, OMP_NUM_THREADS="1")
+        by_hand = subprocess.run(["bash", "-c", join[len("JOIN "):]], env=env, capture_output=True, text=True,
+                                 timeout=120)
+        assert by_hand.returncode == 0, by_hand.stdout + by_hand.stderr
+        out = kernel.communicate(timeout=60)[0]
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
+    node0 = {int(k): v for k, v in json.loads(out.split("RESULT ", 1)[1]).items()}
+    assert sorted(node0) == [0, 1] and all(v["world_size"] == 4 and v["sum"] == 10.0 for v in node0.values())
+    # The hand-started node's ranks wrote their results into the shared run dir, as global ranks 2 and 3.
+    run_dir = next(shared.iterdir())
+    assert sorted(p.name for p in run_dir.glob("result.*.pkl")) == [f"result.{r}.pkl" for r in range(4)]
+
+
 def test_two_torchrun_kernels_across_network_namespaces(tmp_path):
     from clusters import NetnsPair, netns_missing
 

@@ -112,6 +112,29 @@ class TorchrunLauncher(EngineLauncher):
             cmd += ["--local-addr", self.local_addr]
         return cmd + args + ["-m", "nbdist.worker", run_dir]
 
+    def node_command(self, node_rank: int) -> str:
+        """The shell command that joins node ``node_rank`` to this run by hand, on another machine.
+
+        It needs the run dir on a shared path (``run_dir=``), the same torch and nbdist there, and
+        is what a second kernel would run. Call it once the run has started.
+
+        Examples
+        --------
+        >>> run = nbdist.launch(train, nprocs=4, launcher="torchrun", nnodes=2, master_addr="10.0.0.1",
+        ...                     master_port=29400, run_dir="/shared/runs", join=False)
+        >>> print(run.launcher.node_command(1))
+        NBDIST_NODE_RANK=1 torchrun --nnodes 2 --nproc-per-node 4 ... -m nbdist.worker /shared/runs/...
+        """
+        import shlex
+
+        if not 0 < node_rank < self.nnodes or self._run_dir is None:
+            raise LaunchConfigError(f"node_command: node_rank must be in 1..{self.nnodes - 1}, after the run started")
+        args = self.command(self._run_dir, self._nprocs)[3:]  # without "python -m torch.distributed.run"
+        drop = {"--local-addr", "--rdzv-conf"}  # the other node finds its own address; it never hosts
+        kept = [a for i, a in enumerate(args) if a not in drop and (i == 0 or args[i - 1] not in drop)]
+        kept[kept.index("-m"):kept.index("-m")] = ["--rdzv-conf", "is_host=false"]
+        return f"{NODE_RANK_ENV}={node_rank} torchrun " + " ".join(shlex.quote(a) for a in kept)
+
     def engine_env(self, nprocs: int) -> dict[str, str]:
         env = {NODE_RANK_ENV: str(self.node_rank)}
         addr = self.local_addr
