@@ -73,6 +73,9 @@ class RunSpec:
     pdeathsig: bool = True
     start_method: str = "spawn"
     mp_start_method: str | None = None  # the kernel's own multiprocessing default, for the rank's children
+    kernel_host: str | None = None  # ranks on another host mirror their output over the channel
+    output_channel: list | None = None  # [host, port] of the kernel's OutputChannel, or None
+    output_key: str | None = None  # the channel's HMAC key (this file is 0600 in a 0700 folder)
     created: float = field(default_factory=time.time)
 
     def identity_for(self, local_rank: int, node_rank: int | None = None) -> RankIdentity:

@@ -19,6 +19,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import threading
 import time
 import weakref
@@ -90,7 +91,8 @@ class Run:
     ...     pass            # leaving the block stops the run
     """
 
-    def __init__(self, run_id, run_dir, spec: RunSpec, launcher, rendezvous=None, timeout=None, stop_timeout=5.0):
+    def __init__(self, run_id, run_dir, spec: RunSpec, launcher, rendezvous=None, timeout=None, stop_timeout=5.0,
+                 channel=None):
         self.run_id = run_id
         self.run_dir = run_dir
         self.spec = spec
@@ -99,6 +101,7 @@ class Run:
         self.stop_timeout = stop_timeout
         self.launcher = launcher
         self.rendezvous = rendezvous
+        self.channel = channel  # live output of ranks on other machines (engine launchers)
         self.ranks = {r: RankStatus(r) for r in range(spec.nprocs)}
         self.outputs = {r: RankOutput(run_dir, spec.identity_for(r).rank) for r in range(spec.nprocs)}
         self._results: dict[int, object] = {}
@@ -197,8 +200,9 @@ class Run:
             if self._pumped_final:
                 return
             self._pumped_final = final
-            for out in self.outputs.values():
-                for chunk in out.poll(final=final):
+            for r, out in self.outputs.items():
+                pieces = self.channel.take(self.global_rank(r)) if self.channel is not None else ()
+                for chunk in out.poll(final=final, pieces=pieces):
                     self._emit(chunk)
 
     def _watch(self) -> None:
@@ -344,6 +348,8 @@ class Run:
             else:
                 self._set_rank_status(r, status if status != "failed" else "killed", code)
         self._pump_output(final=True)
+        if self.channel is not None:
+            self.channel.close()
         self.launcher.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
@@ -438,8 +444,15 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         start_method=start_method,
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )
+    channel = None
+    if getattr(launcher, "remote_ranks", False):
+        from .channel import OutputChannel, new_channel_key
+
+        spec.kernel_host, spec.output_key = socket.gethostname(), new_channel_key()
+        channel = OutputChannel(master_addr, spec.output_key)
+        spec.output_channel = list(channel.address)
     payload.write_spec(run_dir, spec)
-    run = Run(run_id, run_dir, spec, launcher, rendezvous, timeout, stop_timeout)
+    run = Run(run_id, run_dir, spec, launcher, rendezvous, timeout, stop_timeout, channel)
     if on_event is not None:
         run.subscribe(on_event, replay=False)
     try:

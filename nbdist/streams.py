@@ -81,10 +81,24 @@ class LogFollower:
     def __init__(self, path: str, max_chunk: int = 1 << 20):
         self.path = path
         self.offset = 0
+        self.fed = 0  # bytes that came through feed() rather than the file
         self.max_chunk = max_chunk
         self._fh = None
         self._closed = False
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, offset: int, data: bytes) -> str:
+        """Bytes of the same file that arrived another way (the output channel), at ``offset``.
+
+        Only what lies beyond what was already read is taken, so each byte counts once. A piece
+        beyond a gap is dropped: the file itself has those bytes and will be read.
+        """
+        if self._closed or offset > self.offset or offset + len(data) <= self.offset:
+            return ""
+        new = data[self.offset - offset:]
+        self.offset += len(new)
+        self.fed += len(new)
+        return self._decoder.decode(new)
 
     def read_new(self) -> str:
         if self._closed:
@@ -120,10 +134,16 @@ class RankOutput:
         self.lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=max_lines)
         self.total_lines = 0
 
-    def poll(self, final: bool = False) -> list[OutputChunk]:
+    @property
+    def bytes_from_channel(self) -> int:
+        return sum(f.fed for f in self._followers.values())
+
+    def poll(self, final: bool = False, pieces=()) -> list[OutputChunk]:
+        """New chunks; ``pieces`` are ``(stream, offset, bytes)`` from the output channel."""
         chunks = []
         for stream, follower in self._followers.items():
-            text = follower.read_new()
+            text = "".join(follower.feed(off, data) for s, off, data in pieces if s == stream)
+            text += follower.read_new()
             if final:
                 text += follower.read_new() + follower.close()
             asm = self._assemblers[stream]

@@ -29,6 +29,7 @@ __all__ = [
     "run_payload",
     "run_spawned_rank",
     "identity_under_engine",
+    "start_output_mirror",
     "main",
 ]
 
@@ -349,7 +350,24 @@ def main(argv=None) -> int:
         return 2
     # Under a launcher our parent is the launcher's agent, and the launcher owns the group.
     prepare_rank_process(run_dir, spec, identity, own_group=False)
-    return run_payload(run_dir, spec, identity)
+    mirror = start_output_mirror(run_dir, spec, identity.rank)
+    code = run_payload(run_dir, spec, identity)
+    if mirror is not None:
+        mirror.close()
+    return code
+
+
+def start_output_mirror(run_dir: str, spec: RunSpec, rank: int):
+    """On another machine than the kernel: mirror the log files to the kernel, live. Else None."""
+    from .channel import OutputMirror, should_mirror
+
+    if not spec.output_channel or not spec.output_key or not should_mirror(spec.kernel_host):
+        return None
+    try:
+        return OutputMirror(spec.output_channel, spec.output_key, run_dir, rank)
+    except Exception as exc:  # unreachable kernel: the shared log files still carry everything
+        print(f"nbdist: no live output channel to the kernel ({exc}); logs are in {run_dir}", file=sys.stderr)
+        return None
 
 
 if __name__ == "__main__":

@@ -115,3 +115,16 @@ def report_world():
         "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
         "sum": t.item(),
     }
+
+
+def talk_then_wait(ready_dir, lines=20):
+    """Print numbered lines on both streams, say so, then wait for the test to let go."""
+    for i in range(lines):
+        print(f"line {i} from rank {dist.get_rank()}", flush=True)
+    print(f"to stderr from rank {dist.get_rank()}", file=sys.stderr, flush=True)
+    rank = dist.get_rank()
+    with open(os.path.join(ready_dir, f"ready.{rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    while not os.path.exists(os.path.join(ready_dir, "go")):
+        time.sleep(0.05)
+    return rank

@@ -239,3 +239,43 @@ def test_missing_torchrun_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(nbdist.LaunchConfigError, match=r"launcher='torchrun' needs torch.*pip install torch"):
         nbdist.launch(lambda: 1, nprocs=2, launcher="torchrun")
+
+
+# ---- output of ranks on other machines --------------------------------------------------------
+@needs_mpi
+def test_output_of_remote_ranks_streams_over_the_authenticated_channel(tmp_path, monkeypatch):
+    """Ranks "on another machine" (forced here: one machine) mirror their logs to the kernel live.
+
+    The kernel's view of the log files is frozen, as a shared filesystem's can be for seconds,
+    so every line the kernel shows has come through the channel, each exactly once.
+    """
+    from multiprocessing.connection import Client
+
+    from nbdist.streams import LogFollower
+
+    monkeypatch.setattr(LogFollower, "read_new", lambda self: "")
+    run = nbdist.launch(rankfns.talk_then_wait, str(tmp_path), nprocs=2, launcher="mpirun", join=False,
+                        env={"NBDIST_MIRROR_OUTPUT": "1"})
+    wait_for(lambda: len([f for f in os.listdir(tmp_path) if f.startswith("ready.")]) == 2, 90, what="ranks ready")
+    # Live: while the ranks still run, their lines are here, from the channel alone.
+    wait_for(lambda: all(out.total_lines == 21 for out in run.outputs.values()), 10, what="lines via the channel")
+    # A peer without the run's key is refused, and the run goes on.
+    with pytest.raises(Exception):
+        Client(tuple(run.spec.output_channel), family="AF_INET", authkey=b"not the key").send_bytes(b"x" * 20)
+    wait_for(lambda: run.channel.refused == 1, 5, what="the refusal")
+    (tmp_path / "go").touch()
+    assert run.wait(timeout=60) == {0: 0, 1: 1}
+    for rank, out in run.outputs.items():
+        lines = [line for _, line in out.lines]
+        assert lines == [f"line {i} from rank {rank}" for i in range(20)] + [f"to stderr from rank {rank}"]
+        sizes = sum(os.path.getsize(os.path.join(run.run_dir, f"rank{rank}.{s}")) for s in ("stdout", "stderr"))
+        assert out.bytes_from_channel == sizes, "the log files hold exactly what was streamed"
+
+
+def test_a_rank_on_the_kernels_machine_does_not_mirror(monkeypatch):
+    from nbdist.channel import should_mirror
+
+    monkeypatch.delenv("NBDIST_MIRROR_OUTPUT", raising=False)
+    assert not should_mirror(socket.gethostname())
+    assert should_mirror("some-other-node")
+    assert not should_mirror(None)

@@ -60,6 +60,8 @@ class EngineLauncher:
     name: str = "engine"
     # The kernel hosts the TCPStore the ranks meet at (False where the engine brings its own).
     hosts_rendezvous: bool = True
+    # Ranks may run on other machines: the kernel opens an output channel for them.
+    remote_ranks: bool = True
 
     def __post_init__(self):
         self._engine: subprocess.Popen | None = None

@@ -74,6 +74,7 @@ class TorchrunLauncher(EngineLauncher):
     master_port: int | None = None
     name: str = "torchrun"
     hosts_rendezvous: bool = False
+    remote_ranks: bool = False  # this kernel's agent starts its ranks here; other nodes have their own
 
     def __post_init__(self):
         super().__post_init__()
