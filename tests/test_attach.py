@@ -126,6 +126,14 @@ def test_nprocs_in_mpi_kernels_spawns_per_kernel(tmp_path):
     _check_per_kernel(out.stdout + out.stderr)
 
 
+def test_nprocs_in_slurm_kernels_spawns_per_kernel(tmp_path, slurm):
+    script = tmp_path / "per_kernel_slurm.py"
+    script.write_text(PER_KERNEL.format(here=os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(["srun", "-n", "2", "--overcommit", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    _check_per_kernel(out.stdout + out.stderr)
+
+
 def test_nprocs_in_torchrun_kernels_spawns_per_kernel(tmp_path):
     script = tmp_path / "per_kernel_torchrun.py"
     script.write_text(PER_KERNEL.format(here=os.path.dirname(os.path.abspath(__file__))))

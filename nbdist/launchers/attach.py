@@ -17,7 +17,7 @@ import socket
 from ..errors import LaunchConfigError, RankFailure, WorkerFailedError
 from ..world import WorldInfo
 
-__all__ = ["run_attached", "start_per_kernel", "gather_per_kernel", "run_per_kernel", "mpi_world",
+__all__ = ["run_attached", "StoreComm", "start_per_kernel", "gather_per_kernel", "run_per_kernel", "mpi_world",
            "slurm_meeting_point", "first_slurm_host"]
 
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
@@ -96,20 +96,30 @@ def slurm_meeting_point(env) -> tuple[str, int]:
     return addr, 20000 + (job * 31 + step) % 20000
 
 
-def _join_group_slurm(rank, size, backend):
+def _slurm_store(rank: int, size: int):
+    """The step's store, hosted by task 0 at :func:`slurm_meeting_point`, kept for the kernel's life."""
     import datetime
 
     import torch.distributed as dist
 
     from ..rendezvous import open_rendezvous
 
-    addr, port = slurm_meeting_point(os.environ)
-    rdzv = open_rendezvous("auto", size, host=addr, port=port) if rank == 0 else None
-    store = rdzv.store if rdzv else dist.TCPStore(addr, port, size, is_master=False,
-                                                 timeout=datetime.timedelta(minutes=5))
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
-    return rdzv
+    if _KEEP.get("slurm_store") is None:
+        addr, port = slurm_meeting_point(os.environ)
+        if rank == 0:
+            _KEEP["slurm_rdzv"] = open_rendezvous("auto", size, host=addr, port=port)
+            store = _KEEP["slurm_rdzv"].store
+        else:
+            store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        _KEEP["slurm_store"] = store
+    return _KEEP["slurm_store"]
+
+
+def _join_group_slurm(rank, size, backend):
+    import torch.distributed as dist
+
+    dist.init_process_group(backend=backend, store=_slurm_store(rank, size), rank=rank, world_size=size)
 
 
 def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
@@ -119,7 +129,7 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
 
     from ..worker import bind_device, describe_exception, resolve_backend
 
-    comm = None
+    comm = None  # how the kernels gather the values: MPI, else a store that needs no process group
     rank, size = world.rank, world.world_size
     local_rank, local_size = world.local_rank, world.local_world_size
     if world.kind == "mpi":
@@ -132,15 +142,19 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     backend = resolve_backend(backend)
     if init_process_group and not dist.is_initialized():
         bind_device(local_rank, backend)
-        if comm is not None:
+        if world.kind == "mpi":
             _KEEP["rendezvous"] = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
         elif world.kind == "slurm" and dist_url == "auto":
             # A plain srun step has no channel between its tasks: they meet where rank 0 hosts a
             # store, at an address and port that every task works out alone from the step's env.
-            _KEEP["rendezvous"] = _join_group_slurm(rank, size, backend)
+            _join_group_slurm(rank, size, backend)
         else:
             init = "env://" if dist_url == "auto" else dist_url
             dist.init_process_group(backend=backend, init_method=init, rank=rank, world_size=size)
+    if world.kind == "torchrun":
+        comm = _agent_store_comm(rank, size)
+    elif world.kind == "slurm" and dist_url == "auto":
+        comm = StoreComm(_slurm_store(rank, size), rank, size)
     try:
         value = fn(*args, **kwargs)
         mine = (True, cloudpickle.dumps(value))
@@ -165,26 +179,54 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     return results
 
 
-def _gather(mine, comm, rank, size):
-    """Every rank's (ok, payload), on every rank.
+class StoreComm:
+    """``bcast`` and ``allgather`` between the kernels of a world over a TCPStore: the two calls of
+    mpi4py's communicator that nbdist needs, where there is no MPI (torchrun, a plain srun step)."""
 
-    Over MPI when there is MPI; under torchrun over the agent's own store, which needs no
-    process group (the function may have destroyed it, or never made one); else over torch.
-    """
-    if comm is not None:
-        return comm.allgather(mine)
-    import pickle
+    def __init__(self, store, rank: int, size: int):
+        self.store, self.rank, self.size = store, rank, size
 
+    def _prefix(self, what: str) -> str:
+        _KEEP["gathers"] += 1  # every kernel makes the same calls in the same order: the keys agree
+        return f"nbdist/{what}/{_KEEP['gathers']}/"
+
+    def bcast(self, value, root: int = 0):
+        import pickle
+
+        key = self._prefix("bcast") + "value"
+        if self.rank == root:
+            self.store.set(key, pickle.dumps(value))
+        self.store.wait([key])
+        return pickle.loads(self.store.get(key))
+
+    def allgather(self, value) -> list:
+        import pickle
+
+        prefix = self._prefix("gather")
+        self.store.set(prefix + str(self.rank), pickle.dumps(value))
+        keys = [prefix + str(r) for r in range(self.size)]
+        self.store.wait(keys)
+        return [pickle.loads(self.store.get(k)) for k in keys]
+
+
+def _agent_store_comm(rank: int, size: int):
+    """torchrun's agent store as a StoreComm (it needs no process group), or None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("MASTER_PORT"):
+        return None
     import torch.distributed as dist
 
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT"):
-        _KEEP["gathers"] += 1  # every rank calls launch in the same order, so the counters agree
-        prefix = f"nbdist/gather/{_KEEP['gathers']}/"
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-        store.set(prefix + str(rank), pickle.dumps(mine))
-        keys = [prefix + str(r) for r in range(size)]
-        store.wait(keys)
-        return [pickle.loads(store.get(k)) for k in keys]
+    if _KEEP.get("agent_store") is None:
+        _KEEP["agent_store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                             is_master=False)
+    return StoreComm(_KEEP["agent_store"], rank, size)
+
+
+def _gather(mine, comm, rank, size):
+    """Every rank's (ok, payload), on every rank: over ``comm`` (MPI or a store), else over torch."""
+    if comm is not None:
+        return comm.allgather(mine)
+    import torch.distributed as dist
+
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo", init_method="env://")
     out = [None] * size
@@ -192,34 +234,21 @@ def _gather(mine, comm, rank, size):
     return out
 
 
-def _broadcast(value, comm, rank):
-    """Kernel 0's ``value`` on every kernel: over MPI, or over torchrun's agent store."""
-    if comm is not None:
-        return comm.bcast(value, root=0)
-    import pickle
-
-    import torch.distributed as dist
-
-    _KEEP["gathers"] += 1
-    key = f"nbdist/bcast/{_KEEP['gathers']}"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    if rank == 0:
-        store.set(key, pickle.dumps(value))
-    store.wait([key])
-    return pickle.loads(store.get(key))
-
-
 def _kernel_channel(world: WorldInfo):
     """``(comm, rank, size, local_size)`` for talking between the kernels of ``world``."""
     if world.kind == "mpi":
         comm, rank, size, _local, local_size = mpi_world()
         return comm, rank, size, local_size
-    if world.kind == "torchrun" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None, world.rank, world.world_size, world.local_world_size
-    raise LaunchConfigError(
-        f"nprocs= in a kernel that is a rank of a {world.kind} world needs a channel between the kernels: "
-        "start the kernels with mpirun (or 'srun --mpi=pmi2') and mpi4py, or with torchrun"
-    )
+    if world.kind == "slurm":
+        return StoreComm(_slurm_store(world.rank, world.world_size), world.rank, world.world_size), \
+            world.rank, world.world_size, world.local_world_size
+    comm = _agent_store_comm(world.rank, world.world_size)
+    if comm is None:
+        raise LaunchConfigError(
+            f"nprocs= in a kernel that is a rank of a {world.kind} world needs a channel between the kernels: "
+            "start the kernels with mpirun, srun or torchrun"
+        )
+    return comm, world.rank, world.world_size, world.local_world_size
 
 
 def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_process_group=True, **run_kwargs):
@@ -242,7 +271,7 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_pr
             _KEEP["hosted"] = None  # the previous launch's store: every kernel is past it now
             hosted = open_rendezvous("auto", size * nprocs, host=_node_address(local_size == size))
             _KEEP["hosted"] = hosted.store
-        addr, port = _broadcast((hosted.master_addr, hosted.master_port) if hosted else None, comm, rank)
+        addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
         rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)
     launcher = SpawnLauncher(start_method=run_kwargs.pop("start_method", "spawn"), nnodes=size, node_rank=rank)
     run = start_run(fn, args, kwargs, nprocs=nprocs, init_process_group=init_process_group,
