@@ -119,8 +119,12 @@ class SlurmCluster:
             cluster.procs.append(subprocess.Popen(["slurmctld", "-D", "-i"], stdout=log, stderr=log, env=env))
             cluster.procs.append(subprocess.Popen(["slurmd", "-D"], stdout=log, stderr=log, env=env))
             _wait(lambda: cluster.idle(), timeout, "the Slurm node to be idle")
-        except BaseException:
+        except BaseException as exc:
             cluster.stop()
+            if isinstance(exc, RuntimeError):  # say why, from the daemons' own words
+                with open(os.path.join(base, "daemons.log"), errors="replace") as fh:
+                    tail = "".join(fh.readlines()[-15:])
+                raise RuntimeError(f"{exc}; the daemons said:\n{tail}") from None
             raise
         finally:
             log.close()
