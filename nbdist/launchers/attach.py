@@ -4,9 +4,10 @@
 makes each kernel spawn N local ranks of one bigger world instead: global rank = kernel rank
 x N + local rank, and the kernels meet at a store that kernel 0 hosts and broadcasts.
 
-In :func:`run_attached`, no process is made. The process group comes from the world's own rendezvous (torchrun's
-env://), or, under MPI, from a store that rank 0 hosts and whose address it broadcasts. Every
-rank gets back the same ``{rank: value}`` dict, or the same WorkerFailedError.
+In place, the process group comes from the world's own rendezvous (torchrun's env://), under MPI
+from a store that rank 0 hosts and broadcasts, and in a plain srun step from a store that task 0
+hosts on a port every task derives from the step. Every rank gets back the same
+``{rank: value}`` dict, or the same WorkerFailedError.
 """
 
 from __future__ import annotations
@@ -287,7 +288,7 @@ def gather_per_kernel(run, channel) -> dict:
         mine = (True, run.wait(), None)
     except WorkerFailedError as exc:
         mine = (False, exc.results, exc.failures)
-    except Exception as exc:  # stopped or timed out here: the other kernels must not wait for us forever
+    except BaseException as exc:  # stopped (Ctrl-C too) or timed out: the others must not wait for us forever
         stopped, mine = exc, (False, run.results, {})
     everyone = _gather(mine, comm, rank, size)
     if stopped is not None:
