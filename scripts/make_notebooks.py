@@ -145,7 +145,7 @@ write("03_launch_api.ipynb", [
 ])
 
 write("04_multinode.ipynb", [
-    md("# Beyond one machine: attach, torchrun, MPI\n\n"
+    md("# Beyond one machine: attach, torchrun, MPI, Slurm\n\n"
        "nbdist never runs a cluster manager of its own. On a cluster, the engines the cluster already has start the "
        "processes, and nbdist runs *inside* them.\n\n"
        "**Attach.** A kernel (or script) that already is a rank of a torchrun, MPI or Slurm world runs "
@@ -178,16 +178,40 @@ write("04_multinode.ipynb", [
          "print(out.stdout)"),
     md("## Kernels on several nodes\n\n"
        "Start one kernel per node under the engine, for example one ipyparallel MPI engine per node "
-       "(`ipcluster start -n 4 --engines=mpi`) or a kernel under `srun --mpi=pmi2`, then `%%distributed` in each runs "
-       "the cell as that rank, with the process group kept between cells.\n\n"
+       "(`ipcluster start -n 4 --engines=mpi`), a kernel per task of `srun -n 2`, or one per torchrun agent. "
+       "`%%distributed` without `--nprocs` runs the cell in place, as that rank. With `--nprocs N`, each kernel "
+       "spawns N ranks of one bigger world instead: global rank = kernel rank x N + local rank, and kernel 0 hosts "
+       "the store and broadcasts where it is.\n\n"
        "## Launchers: the engine starts the ranks\n\n"
-       "`launch(..., launcher='mpirun', launcher_args=['--hostfile', 'hosts'])` and `%%distributed --launcher mpirun` "
-       "run `mpiexec -n N python -m nbdist.worker RUN_DIR`: the same worker, results, errors, view and teardown as "
-       "spawn (a stop takes the engine's whole session, and the engine dies with the kernel). The torchrun "
-       "(`--rdzv-backend c10d`) and srun launchers, with the run dir on a shared path, come next on the roadmap."),
+       "`launcher='torchrun' | 'mpirun' | 'srun'` (and `%%distributed --launcher ...`) run "
+       "`python -m nbdist.worker RUN_DIR` under the engine: the same results, errors, view and teardown as spawn "
+       "(a stop takes the engine's whole session and every process with the run's marker; the engine dies with "
+       "the kernel). On a cluster, put the run dir on a shared path (`run_dir=`, `--run-dir`, `NBDIST_RUN_DIR`); "
+       "ranks on other machines stream their output back to the kernel over an authenticated channel."),
     code("def rank_and_size():\n"
          "    import torch.distributed as dist\n"
          "    return (dist.get_rank(), dist.get_world_size())\n\n"
-         "nbdist.launch(rank_and_size, nprocs=4, launcher='mpirun')"),
-    code("os.remove('attach_demo.py')"),
+         "print(nbdist.launch(rank_and_size, nprocs=4, launcher='mpirun'))\n"
+         "print(nbdist.launch(rank_and_size, nprocs=4, launcher='torchrun'))"),
+    md("**Two torchrun nodes.** Each node's kernel calls `launch(..., launcher='torchrun', nnodes=2, node_rank=k, "
+       "master_addr=NODE0, master_port=P)`; c10d joins them into one world, and node k's ranks are "
+       "`k * nprocs + local_rank`. Here node 1 is a script started from this notebook, on the same machine:"),
+    code("%%writefile node1.py\n"
+         "import sys, nbdist\n\n"
+         "def rank_and_size():\n"
+         "    import torch.distributed as dist\n"
+         "    return (dist.get_rank(), dist.get_world_size())\n\n"
+         "if __name__ == '__main__':\n"
+         "    print(nbdist.launch(rank_and_size, nprocs=2, launcher='torchrun', nnodes=2, node_rank=1,\n"
+         "                        master_addr='127.0.0.1', master_port=int(sys.argv[1])))"),
+    code("import socket\n"
+         "with socket.socket() as s:\n"
+         "    s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]\n"
+         "node1 = subprocess.Popen([sys.executable, 'node1.py', str(port)], stdout=subprocess.PIPE, text=True, env=env)\n"
+         "print('node 0:', nbdist.launch(rank_and_size, nprocs=2, launcher='torchrun', nnodes=2, node_rank=0,\n"
+         "                               master_addr='127.0.0.1', master_port=port))\n"
+         "print('node 1:', node1.communicate(timeout=120)[0].strip())"),
+    md("With Slurm: `nbdist.launch(fn, nprocs=8, launcher='srun', nnodes=2, run_dir='/shared/runs')` inside an "
+       "allocation, or `%%distributed --launcher srun -n 8 --nnodes 2 --run-dir /shared/runs`."),
+    code("os.remove('attach_demo.py'); os.remove('node1.py')"),
 ])
