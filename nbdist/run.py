@@ -421,18 +421,18 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
     run_dir = run_dir or payload.create_run_dir(run_id, runs_root)
     payload.write_payload(run_dir, fn, args, kwargs, extra)
     launcher = launcher or SpawnLauncher(start_method=start_method)
-    world_size = launcher.world_size_for(nprocs) if hasattr(launcher, "world_size_for") else nprocs
-    # torchrun's agent hosts the store its ranks meet at; every other launcher meets at the kernel's.
-    hosts_rendezvous = getattr(launcher, "hosts_rendezvous", True)
+    world_size = launcher.world_size_for(nprocs)
     if not init_process_group:
         rendezvous = None
-    elif rendezvous is None and hosts_rendezvous:  # else given: one kernel of several hosts it
+    # torchrun's agent hosts the store its ranks meet at; the other launchers meet at the kernel's
+    # (or, given here, at the one that kernel 0 of several hosts).
+    elif rendezvous is None and launcher.hosts_rendezvous:
         rendezvous = open_rendezvous(dist_url, world_size, host=master_addr)
     spec = RunSpec(
         run_id=run_id,
         nprocs=nprocs,
         world_size=world_size,
-        node_rank=getattr(launcher, "node_rank", 0),
+        node_rank=launcher.node_rank,
         backend=backend,
         init_method=(rendezvous.init_method if rendezvous else "env://") if init_process_group else None,
         master_addr=rendezvous.master_addr if rendezvous else None,
@@ -445,7 +445,7 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )
     channel = None
-    if getattr(launcher, "remote_ranks", False):
+    if launcher.remote_ranks:
         from .channel import OutputChannel, new_channel_key
 
         spec.kernel_host, spec.output_key = socket.gethostname(), new_channel_key()

@@ -105,6 +105,8 @@ class SpawnLauncher:
     # are node_rank * nprocs + local rank.
     nnodes: int = 1
     node_rank: int = 0
+    hosts_rendezvous = True  # the ranks meet at the kernel's store (or the one kernel 0 hosts)
+    remote_ranks = False  # every rank is a child of this kernel, here
 
     def world_size_for(self, nprocs: int) -> int:
         return self.nnodes * nprocs
