@@ -39,6 +39,17 @@ def _results(out: str, n: int):
     return [(ast.literal_eval(res), int(pid)) for res, pid in lines]
 
 
+def _run_under_mpiexec(tmp_path, source: str, n: int, timeout: float = 150) -> subprocess.CompletedProcess:
+    """``mpiexec -n N python SCRIPT`` with pip's mpich; skips where there is no mpiexec."""
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
+    script = tmp_path / "under_mpi.py"
+    script.write_text(source)
+    return subprocess.run([mpiexec, "-n", str(n), sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
 def _check_world(out: str, n: int):
     results = _results(out, n)
     first = results[0][0]
@@ -62,13 +73,7 @@ def test_torchrun_attach(tmp_path):
 
 
 def test_mpi_attach_with_local_rank_from_shared_memory_split(tmp_path):
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
-    script = tmp_path / "attach_mpi.py"
-    script.write_text(SCRIPT)
-    out = subprocess.run([mpiexec, "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = _run_under_mpiexec(tmp_path, SCRIPT, 4, timeout=120)
     world = _check_world(out.stdout, 4)
     assert sorted(v[2] for v in world.values()) == [0, 1, 2, 3]
     assert "FAILED 1 {0: 7, 2: 7, 3: 7}" in out.stdout, out.stdout + out.stderr
@@ -116,13 +121,7 @@ def _check_per_kernel(out: str):
 
 
 def test_nprocs_in_mpi_kernels_spawns_per_kernel(tmp_path):
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
-    script = tmp_path / "per_kernel_mpi.py"
-    script.write_text(PER_KERNEL.format(here=os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = _run_under_mpiexec(tmp_path, PER_KERNEL.format(here=os.path.dirname(os.path.abspath(__file__))), 2)
     _check_per_kernel(out.stdout + out.stderr)
 
 
@@ -162,13 +161,7 @@ MAGIC_UNDER_MPI = textwrap.dedent(
 
 
 def test_magic_in_kernels_under_mpi(tmp_path):
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
-    script = tmp_path / "magic_mpi.py"
-    script.write_text(MAGIC_UNDER_MPI)
-    out = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=150, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = _run_under_mpiexec(tmp_path, MAGIC_UNDER_MPI, 2)
     text = out.stdout + out.stderr
     # Each kernel shows its own ranks live: kernel 0 ranks 0-1, kernel 1 ranks 2-3.
     for rank in range(4):
