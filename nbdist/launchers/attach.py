@@ -256,9 +256,10 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_pr
     """Start this kernel's ``nprocs`` ranks of one world made of every kernel of ``world``.
 
     Kernel k's ranks are ``k * nprocs + local_rank``. Kernel 0 hosts the store (on loopback when
-    every kernel shares its machine) and broadcasts where it is; it keeps the store until its
-    next such launch, so that kernels which finish later never lose it. Every kernel must call
-    this in the same order (as cells run under ``%px``). Returns ``(run, channel)``.
+    every kernel shares its machine) and broadcasts where it is; it keeps the store until
+    :func:`gather_per_kernel` has heard from every kernel (so ranks that finish later never lose
+    it). Every kernel must call this in the same order (as cells run under ``%px``). Returns
+    ``(run, channel)``.
     """
     from ..rendezvous import Rendezvous, open_rendezvous
     from ..run import start_run
@@ -269,7 +270,6 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_pr
     if init_process_group:
         hosted = None
         if rank == 0:
-            _KEEP["hosted"] = None  # the previous launch's store: every kernel is past it now
             hosted = open_rendezvous("auto", size * nprocs, host=_node_address(local_size == size))
             _KEEP["hosted"] = hosted.store
         addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
@@ -291,6 +291,7 @@ def gather_per_kernel(run, channel) -> dict:
     except BaseException as exc:  # stopped (Ctrl-C too) or timed out: the others must not wait for us forever
         stopped, mine = exc, (False, run.results, {})
     everyone = _gather(mine, comm, rank, size)
+    _KEEP["hosted"] = None  # every kernel's ranks are done with kernel 0's store now
     if stopped is not None:
         raise stopped
     results, failures = {}, {}
