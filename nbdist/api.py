@@ -7,7 +7,7 @@ import signal
 
 from . import proctree
 from .errors import LaunchConfigError
-from .launchers import ENGINES, check_launcher_name, make_engine_launcher
+from .launchers import ENGINES, check_launcher_name, choose_master_addr, make_engine_launcher
 from .rendezvous import check_dist_url
 from .world import detect_world
 
@@ -46,7 +46,7 @@ def _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env):
 
 def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="auto", init_process_group=True,
            timeout=None, env=None, join=True, start_method="spawn", run_dir=None, stop_timeout=5.0,
-           launcher_args=None, nnodes=1, node_rank=0, master_addr="127.0.0.1", master_port=None, **kwargs):
+           launcher_args=None, nnodes=1, node_rank=0, master_addr=None, master_port=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` PyTorch ranks and return every rank's value.
 
     Parameters
@@ -89,10 +89,11 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
         torchrun: how many nodes (kernels, or ``torchrun`` started by hand) make the world, and
         which one this is; this node's ranks are ``node_rank * nprocs + local_rank``. srun: the
         number of nodes (``-N``) the ``nprocs`` tasks spread over.
-    master_addr : str
-        Where the ranks meet: the kernel's store for spawn, mpirun and srun (127.0.0.1 unless
-        ranks run on other machines); for torchrun with ``nnodes > 1``, the address of node 0,
-        which hosts the c10d rendezvous.
+    master_addr : str, optional
+        Where the ranks reach the kernel (its store and output channel) for spawn, mpirun and
+        srun: 127.0.0.1, or this machine's address when the engine may place ranks on other
+        machines (a hostfile, ``nnodes > 1``, a multi-node allocation). For torchrun with
+        ``nnodes > 1``: node 0's address, where the c10d rendezvous is (default 127.0.0.1).
     master_port : int, optional
         torchrun with ``nnodes > 1``: the rendezvous port, the same on every node.
 
@@ -151,7 +152,7 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     run = start_run(
         fn, args, kwargs, nprocs=nprocs or default_nprocs(), runs_root=run_dir, backend=backend, dist_url=dist_url,
         init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,
-        stop_timeout=stop_timeout, launcher=engine, master_addr=master_addr,
+        stop_timeout=stop_timeout, launcher=engine, master_addr=choose_master_addr(engine, master_addr),
     )
     if not join:
         return run

@@ -29,7 +29,7 @@ from .api import BACKENDS, default_nprocs, kill, ps
 from .cell import PULL_FILE, CellSource, find_read_names, run_cell
 from .cli import format_table
 from .errors import LaunchConfigError
-from .launchers import ENGINES, LAUNCHERS, make_engine_launcher
+from .launchers import ENGINES, LAUNCHERS, choose_master_addr, make_engine_launcher
 from .view import FLUSH_INTERVAL, make_view
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
@@ -141,10 +141,11 @@ def start_cell(shell, job: CellJob):
         engine = make_engine_launcher(args.launcher, shlex.split(args.launcher_args or ""), nnodes=args.nnodes,
                                       node_rank=args.node_rank, master_addr=args.master_addr,
                                       master_port=args.master_port)
+        master_addr = choose_master_addr(engine, args.master_addr)
     except LaunchConfigError as exc:
         raise UsageError(str(exc)) from None
     run = start_run(run_cell, rank_args, {}, nprocs=args.nprocs or default_nprocs(), launcher=engine,
-                    master_addr=args.master_addr, **common)
+                    master_addr=master_addr, **common)
     shell.user_ns["_dist"] = run
     return run
 
@@ -280,7 +281,9 @@ class DistributedMagics(Magics):
     @argument("--launcher-args", default="", help="extra engine arguments, quoted: --launcher-args '--hostfile h'")
     @argument("--nnodes", type=int, default=1, help="torchrun: nodes (kernels) in the world; srun: -N")
     @argument("--node-rank", type=int, default=0, help="torchrun: this kernel's node")
-    @argument("--master-addr", default="127.0.0.1", help="where the ranks meet (another node's address for torchrun)")
+    @argument("--master-addr", default=None,
+              help="where ranks reach the kernel (default 127.0.0.1, or this machine's address when ranks may run "
+                   "elsewhere); torchrun: node 0's address")
     @argument("--master-port", type=int, default=None, help="torchrun with --nnodes > 1: the rendezvous port")
     @argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
     @argument("--timeout", type=float, default=None, help="seconds; then dump every rank's stack and stop")

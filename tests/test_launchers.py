@@ -285,3 +285,19 @@ def test_a_rank_on_the_kernels_machine_does_not_mirror(monkeypatch):
     assert not should_mirror(socket.gethostname())
     assert should_mirror("some-other-node")
     assert not should_mirror(None)
+
+
+@needs_mpi
+def test_ranks_that_may_run_elsewhere_need_an_address_they_can_reach(monkeypatch, tmp_path):
+    from nbdist.launchers import choose_master_addr, make_engine_launcher
+
+    hostfile = ["--hostfile", str(tmp_path / "hosts")]
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")  # Debian's usual /etc/hosts line
+    with pytest.raises(nbdist.LaunchConfigError, match="its hostname resolves to 127.0.1.1: pass master_addr="):
+        nbdist.launch(rankfns.rank_sum, nprocs=2, launcher="mpirun", launcher_args=hostfile)
+    assert not marked_pids()
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert choose_master_addr(make_engine_launcher("mpirun", hostfile), None) == "10.1.2.3"
+    assert choose_master_addr(make_engine_launcher("mpirun", hostfile), "192.168.0.7") == "192.168.0.7"
+    assert choose_master_addr(make_engine_launcher("mpirun"), None) == "127.0.0.1", "one machine: loopback"
+    assert choose_master_addr(None, None) == "127.0.0.1"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..errors import LaunchConfigError
 
-__all__ = ["LAUNCHERS", "ENGINES", "check_launcher_name", "make_engine_launcher"]
+__all__ = ["LAUNCHERS", "ENGINES", "check_launcher_name", "make_engine_launcher", "choose_master_addr"]
 
 ENGINES = ("torchrun", "mpirun", "srun")
 LAUNCHERS = ("auto", "spawn", "attach") + ENGINES
@@ -15,8 +15,33 @@ def check_launcher_name(name) -> None:
         raise LaunchConfigError(f"unknown launcher {name!r}; choose one of: {', '.join(LAUNCHERS)}")
 
 
+def choose_master_addr(launcher, master_addr: str | None) -> str:
+    """Where the ranks reach the kernel (its store, its output channel): ``master_addr`` if given.
+
+    Otherwise loopback, unless the engine may put ranks on other machines: then this machine's
+    address, or one clear line when its hostname only resolves to loopback.
+    """
+    if master_addr:
+        return master_addr
+    if launcher is None or not launcher.spans_nodes():
+        return "127.0.0.1"
+    import ipaddress
+    import socket
+
+    try:
+        addr = socket.gethostbyname(socket.getfqdn())
+    except OSError:
+        addr = "127.0.0.1"
+    if ipaddress.ip_address(addr).is_loopback:
+        raise LaunchConfigError(
+            f"launcher={launcher.name!r} may start ranks on other machines, and they must reach this kernel, but "
+            f"its hostname resolves to {addr}: pass master_addr= with this machine's address on the cluster network"
+        )
+    return addr
+
+
 def make_engine_launcher(name: str, launcher_args=None, nnodes: int = 1, node_rank: int = 0,
-                         master_addr: str = "127.0.0.1", master_port: int | None = None):
+                         master_addr: str | None = None, master_port: int | None = None):
     """The launcher object for an engine name ("torchrun", "mpirun", "srun"), or None for spawn/attach.
 
     A missing engine is one clear LaunchConfigError here, before anything is written.
@@ -42,5 +67,5 @@ def make_engine_launcher(name: str, launcher_args=None, nnodes: int = 1, node_ra
 
         check_torchrun()
         return TorchrunLauncher(launcher_args=args, nnodes=nnodes, node_rank=node_rank,
-                                master_addr=master_addr, master_port=master_port)
+                                master_addr=master_addr or "127.0.0.1", master_port=master_port)
     return None

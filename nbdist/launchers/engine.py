@@ -82,6 +82,10 @@ class EngineLauncher:
         """The whole world's size when this node starts ``nprocs`` ranks."""
         return nprocs
 
+    def spans_nodes(self) -> bool:
+        """Whether ranks may land on other machines (then they must reach the kernel's address)."""
+        return False
+
     # ---- shared -----------------------------------------------------------------------------
     def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
         cmd = self.command(run_dir, nprocs)

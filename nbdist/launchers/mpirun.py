@@ -35,6 +35,10 @@ class MpirunLauncher(EngineLauncher):
 
     name: str = "mpirun"
 
+    def spans_nodes(self) -> bool:
+        hosts = {"--hostfile", "-hostfile", "-f", "--machinefile", "-machinefile", "-hosts", "--host", "-host", "-H"}
+        return any(str(a).split("=")[0] in hosts for a in self.launcher_args)
+
     def command(self, run_dir: str, nprocs: int) -> list[str]:
         cmd = [find_mpiexec(), "-n", str(nprocs)]
         return cmd + [str(a) for a in self.launcher_args] + [sys.executable, "-m", "nbdist.worker", run_dir]

@@ -7,6 +7,7 @@ Stopping srun itself cancels the step. Everything else is :class:`EngineLauncher
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ class SrunLauncher(EngineLauncher):
     """``nnodes`` becomes ``-N``; ``launcher_args`` go to srun (``["--partition", "gpu"]``)."""
 
     name: str = "srun"
+
+    def spans_nodes(self) -> bool:
+        # Inside a multi-node allocation srun spreads tasks over its nodes even without -N.
+        return self.nnodes > 1 or int(os.environ.get("SLURM_JOB_NUM_NODES") or 1) > 1
 
     def command(self, run_dir: str, nprocs: int) -> list[str]:
         # nprocs here is the whole step: srun places the tasks on the nodes.
