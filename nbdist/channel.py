@@ -54,7 +54,6 @@ class OutputChannel:
         self._lock = threading.Lock()
         self._closed = False
         self.refused = 0  # connections that failed the challenge
-        self.received = collections.Counter()  # rank -> bytes
         threading.Thread(target=self._accept, name="nbdist-output-channel", daemon=True).start()
 
     def _accept(self) -> None:
@@ -83,7 +82,6 @@ class OutputChannel:
                 data = msg[_HEADER.size:]
                 with self._lock:
                     self._pieces[rank].append((STREAMS[stream], offset, data))
-                    self.received[rank] += len(data)
 
     def take(self, rank: int) -> list[tuple[str, int, bytes]]:
         """What arrived for ``rank`` since the last call, oldest first."""
@@ -113,7 +111,7 @@ class OutputMirror:
         self._thread = threading.Thread(target=self._loop, name="nbdist-output-mirror", daemon=True)
         self._thread.start()
 
-    def _send_new(self) -> bool:
+    def _send_new(self) -> None:
         with self._lock:
             for i, path in enumerate(self._paths):
                 try:
@@ -125,7 +123,6 @@ class OutputMirror:
                 if data:
                     self._conn.send_bytes(_HEADER.pack(self._rank, i, self._offsets[i]) + data)
                     self._offsets[i] += len(data)
-        return True
 
     def _loop(self) -> None:
         while not self._stop.wait(self._interval):

@@ -323,7 +323,7 @@ class Run:
 
         A rank that can't read the run dir says so in one line there; that line is the message.
         """
-        said = self.launcher.engine_log() if hasattr(self.launcher, "engine_log") else ""
+        said = self.launcher.engine_log()
         worker_lines = [line for line in said.splitlines() if "nbdist.worker:" in line]
         if worker_lines:
             return worker_lines[-1].split("nbdist.worker:", 1)[1].strip()

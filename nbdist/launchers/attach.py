@@ -24,7 +24,7 @@ __all__ = ["run_attached", "StoreComm", "start_per_kernel", "gather_per_kernel",
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
 # that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
 # the same rendezvous would meet the previous round's keys.
-_KEEP = {"rendezvous": None, "gathers": 0, "hosted": None}
+_KEEP = {"rendezvous": None, "gathers": 0, "hosted": None, "slurm_store": None, "agent_store": None}
 
 
 def mpi_world():
@@ -105,11 +105,10 @@ def _slurm_store(rank: int, size: int):
 
     from ..rendezvous import open_rendezvous
 
-    if _KEEP.get("slurm_store") is None:
+    if _KEEP["slurm_store"] is None:
         addr, port = slurm_meeting_point(os.environ)
-        if rank == 0:
-            _KEEP["slurm_rdzv"] = open_rendezvous("auto", size, host=addr, port=port)
-            store = _KEEP["slurm_rdzv"].store
+        if rank == 0:  # holding the store keeps its server up
+            store = open_rendezvous("auto", size, host=addr, port=port).store
         else:
             store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
@@ -216,7 +215,7 @@ def _agent_store_comm(rank: int, size: int):
         return None
     import torch.distributed as dist
 
-    if _KEEP.get("agent_store") is None:
+    if _KEEP["agent_store"] is None:
         _KEEP["agent_store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                              is_master=False)
     return StoreComm(_KEEP["agent_store"], rank, size)

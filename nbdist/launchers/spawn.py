@@ -188,6 +188,10 @@ class SpawnLauncher:
         """What a stop signals first: every rank's group."""
         return [pid for rank, pid in self._pids.items() if self._codes.get(rank) is None]
 
+    def engine_log(self) -> str:
+        """No engine between the kernel and its spawned ranks: nothing to tell."""
+        return ""
+
     def close(self) -> None:
         """Release the handles of exited ranks (their pipes); running ones stay open."""
         if self._context is None:
