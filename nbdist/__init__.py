@@ -7,11 +7,14 @@ from code. Every run owns its whole process tree and leaves nothing running.
 from .api import default_nprocs, kill, launch, ps
 from .errors import LaunchConfigError, RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError
 from .run import Run
+from .warmstart import WarmTemplate, warm
 from .world import is_main, rank, world_size
 
 __all__ = [
     "launch",
     "Run",
+    "warm",
+    "WarmTemplate",
     "ps",
     "kill",
     "default_nprocs",

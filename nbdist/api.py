@@ -45,7 +45,7 @@ def _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env):
 
 
 def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="auto", init_process_group=True,
-           timeout=None, env=None, join=True, start_method="spawn", run_dir=None, stop_timeout=5.0,
+           timeout=None, env=None, join=True, start_method=None, run_dir=None, stop_timeout=5.0,
            launcher_args=None, nnodes=1, node_rank=0, master_addr=None, master_port=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` PyTorch ranks and return every rank's value.
 
@@ -79,8 +79,12 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
         Extra environment for the ranks (set before torch is imported there).
     join : bool
         True: wait and return ``{rank: value}``. False: return the :class:`nbdist.Run` at once.
-    start_method : {"spawn", "fork"}
-        How torch starts the ranks. "fork" is refused once CUDA is initialised here.
+    start_method : {None, "warm", "spawn", "fork"}
+        How this kernel makes its ranks. "warm": forked from the warm template, a clean process
+        that imported torch already (:func:`nbdist.warm`; ready in milliseconds, safe after CUDA);
+        "spawn": a fresh interpreter per rank; "fork": a fork of this process, refused once CUDA
+        is initialised here. None: ``$NBDIST_START_METHOD``, else "warm" when the template is
+        ready and "spawn" otherwise (never a wait for the template).
     run_dir : str, optional
         Folder under which the run dir is made (default ``$NBDIST_RUN_DIR`` or a private temp folder).
     launcher_args : list of str, optional

@@ -129,7 +129,7 @@ def start_cell(shell, job: CellJob):
     args = job.args
     rank_args = (job.cell_file, job.pushed, job.modules, job.pull)
     common = dict(run_id=job.run_id, run_dir=job.run_dir, backend=args.backend, init_process_group=not args.no_init,
-                  timeout=args.timeout, env=job.env)
+                  timeout=args.timeout, env=job.env, start_method=args.start)
     world = _attached(job)
     if world is not None:  # --nprocs in a kernel that is a rank: each kernel spawns its own ranks
         from .launchers.attach import start_per_kernel
@@ -293,6 +293,8 @@ class DistributedMagics(Magics):
     @argument("--no-init", action="store_true", help="don't initialise the process group")
     @argument("--env", nargs="+", action="append", default=[], metavar="K=V", help="environment for the ranks")
     @argument("--view", default="auto", choices=("auto", "widget", "text"), help="how to show the ranks' output")
+    @argument("--start", default=None, choices=("warm", "spawn", "fork"),
+              help="how the ranks are made (default: warm once the template is ready, else spawn)")
     @argument("--run-dir", default=None, help="folder for the run dir (default $NBDIST_RUN_DIR or a private temp dir)")
     @cell_magic
     def distributed(self, line, cell):
@@ -340,6 +342,31 @@ class DistributedMagics(Magics):
         return None
 
     @line_magic
+    def dist_warm(self, line):
+        """``%dist_warm [--refresh] [MODULE ...]``: start or refresh the warm template, preloading MODULEs.
+
+        Ranks forked from it start in milliseconds. ``%dist_warm --off`` ends it (launches spawn).
+        """
+        from . import warmstart as warm
+
+        words = line.split()
+        if "--off" in words:
+            warm.close_templates()
+            print("nbdist: warm start is off for this kernel until %dist_warm")
+            return None
+        modules = [w for w in words if not w.startswith("-")]
+        bad = [m for m in modules if not all(_IDENT.match(part) for part in m.split("."))]
+        if bad:
+            raise UsageError(f"%dist_warm takes module names, got {', '.join(map(repr, bad))}")
+        template = warm.warm(preload=modules, refresh="--refresh" in words, wait=True)
+        took = f" in {template.ready_after:.1f} s" if template.ready_after else ""
+        failed = template.info.get("failed") or []
+        print(f"nbdist: {template.describe()}{took}; preload: {', '.join(template.preload) or '(torch only)'}")
+        for line_ in failed:
+            print(f"nbdist: preload failed: {line_}")
+        return None
+
+    @line_magic
     def dist_kill(self, line):
         """``%dist_kill [RUN_ID]``: stop the processes of one run, or of every run."""
         n = kill(line.strip() or None)
@@ -383,7 +410,10 @@ def _procs_html(procs) -> str:
 
 
 def load_ipython_extension(ipython) -> None:
+    from .warmstart import start_in_background
+
     ipython.register_magics(DistributedMagics)
+    start_in_background()  # the template imports torch while the user writes the first cell
     if _rewrite_distributed_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(_rewrite_distributed_cell)
 

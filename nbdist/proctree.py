@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from .payload import RUN_DIR_ENV, RUN_ID_ENV, read_pids
+from .marker import read_marker
+from .payload import read_pids
 
 __all__ = [
     "MarkedProcess",
@@ -126,10 +127,9 @@ def find_marked(run_id: str | None = None) -> list[MarkedProcess]:
             env = proc.environ()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-        rid = env.get(RUN_ID_ENV)
+        rid, run_dir = read_marker(env)  # forked ranks carry it padded (nbdist.marker)
         if not rid or (run_id is not None and rid != run_id):
             continue
-        run_dir = env.get(RUN_DIR_ENV)
         if run_dir not in rank_maps:
             rank_maps[run_dir] = {pid: rank for rank, pid in read_pids(run_dir).items()} if run_dir else {}
         try:

@@ -404,7 +404,7 @@ class Run:
 
 
 def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=None, backend="auto",
-              dist_url="auto", init_process_group=True, timeout=None, env=None, start_method="spawn",
+              dist_url="auto", init_process_group=True, timeout=None, env=None, start_method=None,
               stop_timeout=5.0, extra=None, on_event=None, launcher=None, master_addr="127.0.0.1",
               rendezvous=None) -> Run:
     """Write the run dir, start the ranks with ``launcher`` (spawn by default), return the running Run.
@@ -413,14 +413,13 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
     started is stopped before the exception leaves. ``rendezvous``: where the ranks meet when
     another kernel hosts the store (several kernels, one world).
     """
-    from .launchers.spawn import SpawnLauncher, check_start_method
+    from .launchers.spawn import SpawnLauncher
     from .rendezvous import open_rendezvous
 
-    check_start_method(start_method)
+    launcher = launcher or SpawnLauncher(start_method=start_method)  # refuses fork after CUDA here
     run_id = run_id or payload.new_run_id()
     run_dir = run_dir or payload.create_run_dir(run_id, runs_root)
     payload.write_payload(run_dir, fn, args, kwargs, extra)
-    launcher = launcher or SpawnLauncher(start_method=start_method)
     world_size = launcher.world_size_for(nprocs)
     if not init_process_group:
         rendezvous = None
@@ -441,7 +440,7 @@ def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=
         parent_pid=os.getpid(),
         # PDEATHSIG follows the thread that forked: only the main thread lives as long as the kernel.
         pdeathsig=threading.current_thread() is threading.main_thread(),
-        start_method=start_method,
+        start_method=getattr(launcher, "start_method", launcher.name),
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )
     channel = None

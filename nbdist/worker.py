@@ -102,23 +102,27 @@ def _watch_parent(parent_pid: int, interval: float) -> None:
         time.sleep(interval)
 
 
-def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, own_group: bool = True) -> None:
+def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, own_group: bool = True,
+                         parent_pid: int | None = None) -> None:
     """Everything that makes this process a well-behaved rank, before any user code runs.
 
-    ``own_group`` is True for ranks the kernel spawned itself: their parent must be the kernel,
-    and they lead their own process group. Ranks started by an engine (torchrun, mpirun) keep
-    the engine's group and watch the engine's agent as their parent.
+    ``own_group`` is True for ranks the kernel made: their parent must be the kernel (or, for a
+    rank forked from the warm template, ``parent_pid``, the template), and they lead their own
+    process group. Ranks started by an engine (torchrun, mpirun) keep the engine's group and watch
+    the engine's agent as their parent.
     """
     parent = os.getppid()
+    expected_parent = parent_pid or spec.parent_pid
     if own_group:
         try:
             os.setsid()
         except PermissionError:  # already a group leader (a launcher made us one)
             pass
-    if spec.pdeathsig:
+    # The template forks from its main thread, which lives as long as it does: PDEATHSIG holds there.
+    if spec.pdeathsig or parent_pid:
         signal.signal(PARENT_DIED_SIGNAL, _kill_own_group)
         _set_pdeathsig(PARENT_DIED_SIGNAL)
-    if own_group and spec.parent_pid and parent != spec.parent_pid:
+    if own_group and expected_parent and parent != expected_parent:
         _kill_own_group()  # the kernel died before we got here
     threading.Thread(target=_watch_parent, args=(parent, 0.1), name="nbdist-parent-watch", daemon=True).start()
     # multiprocessing's bootstrap forced "spawn" as this rank's default. A rank should behave like
@@ -294,19 +298,45 @@ def _flush_std() -> None:
             pass
 
 
-def run_spawned_rank(local_rank: int, run_dir: str) -> None:
-    """Entry point under ``torch.multiprocessing.start_processes``: one spawned rank."""
+def run_spawned_rank(local_rank: int, run_dir: str, parent_pid: int | None = None) -> None:
+    """Entry point under ``torch.multiprocessing.start_processes``: one spawned rank.
+
+    The warm template calls it too, in a rank it forked (``parent_pid`` is the template's pid).
+    """
     spec = payload.read_spec(run_dir)
     identity = spec.identity_for(local_rank)
-    prepare_rank_process(run_dir, spec, identity)
+    prepare_rank_process(run_dir, spec, identity, parent_pid=parent_pid)
     code = run_payload(run_dir, spec, identity)
     if code != 0:
         # Failed or stopped: the error is on disk and the user's finally/except blocks have run.
         # Interpreter shutdown would now wait up to 5 s joining DataLoader workers (which ignore
         # SIGINT), or hang in a process group's destructor waiting for dead peers.
         os._exit(code)
+    if parent_pid:
+        _leave_forked_rank()
     # A normal exit, so that the user's atexit handlers (loggers, trackers) run.
     sys.exit(0)
+
+
+def _leave_forked_rank() -> None:
+    """Exit a rank forked from the warm template as an interpreter would, minus the slow part.
+
+    Interpreter teardown in a fork of a process that imported torch touches every inherited
+    object and copies its page (about 0.7 s here). What users rely on at exit still happens, in
+    the interpreter's order: non-daemon threads are joined, atexit handlers run, and the user's
+    namespace is released (files it left open are flushed and closed). Then ``os._exit``.
+    """
+    import atexit
+    import gc
+
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.modules["__main__"].__dict__.clear()
+        gc.collect()
+    finally:
+        _flush_std()
+        os._exit(0)
 
 
 def identity_under_engine(spec: RunSpec, world, env) -> RankIdentity:

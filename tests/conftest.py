@@ -19,6 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = 5.0
 # Roots of long-lived helper trees (the test browser) whose processes come and go with pages.
 IGNORED_TREES: set[int] = set()
+# Warm templates that a fixture keeps across tests (this process's, a module kernel's). Only the
+# template itself is exempt: the ranks it forks are checked like any other, by tree and marker.
+KEPT_TEMPLATES: set[int] = set()
 
 
 def _tracker_pid():
@@ -52,7 +55,7 @@ def _leftovers(before: set[int]) -> dict[int, str]:
     # multiprocessing's resource tracker is a helper of the process that launches (this one, or
     # a test kernel), started once and kept for that process's life. nbdist starts it before the
     # marked window, so it carries no marker; a tracker *with* a marker is still reported below.
-    ignore = before | {_tracker_pid()}
+    ignore = before | {_tracker_pid()} | KEPT_TEMPLATES
     left = {}
     for pid in live_descendants() - ignore:
         try:
@@ -62,7 +65,8 @@ def _leftovers(before: set[int]) -> dict[int, str]:
         if _TRACKER not in cmd:
             left[pid] = cmd[:120]
     for m in proctree.find_marked():
-        left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
+        if m.pid not in KEPT_TEMPLATES:
+            left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
     return left
 
 
@@ -170,7 +174,35 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
 
 
 def marked_pids(run_id=None) -> set[int]:
-    return {m.pid for m in proctree.find_marked(run_id)}
+    """Marked processes (of ``run_id``, or of any run), less the warm templates fixtures keep."""
+    return {m.pid for m in proctree.find_marked(run_id)} - KEPT_TEMPLATES
+
+
+@pytest.fixture(scope="session")
+def warm_template():
+    """This test process's warm template, kept for the session (ranks forked from it are checked)."""
+    import nbdist
+    from nbdist import warmstart as warm
+
+    template = nbdist.warm(wait=True)
+    assert template.status == "ready", template.describe()
+    KEPT_TEMPLATES.add(template.pid)
+    yield template
+    warm.close_templates()
+    KEPT_TEMPLATES.discard(template.pid)
+
+
+@pytest.fixture(params=["spawn", "warm"])
+def start_method(request, monkeypatch):
+    """Run the test with ranks spawned, then with ranks forked from the warm template.
+
+    The default start method of every launch in the test (and of the scripts it starts, which
+    then fork from a template of their own) comes from ``NBDIST_START_METHOD``.
+    """
+    if request.param == "warm":
+        request.getfixturevalue("warm_template")
+    monkeypatch.setenv("NBDIST_START_METHOD", request.param)
+    return request.param
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -6,18 +6,32 @@ import os
 import signal
 import time
 
+import psutil
 import pytest
 
-from conftest import marked_pids, wait_for
+from conftest import KEPT_TEMPLATES, marked_pids, wait_for
 from kernel_client import Kernel
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.fixture(scope="module", params=["spawn", "warm"])
+def kernel(request):
+    """One kernel per start method: its cells spawn ranks, or fork them from its warm template."""
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", NBDIST_START_METHOD=request.param))
+    k.start_method = request.param
     assert k.run("%load_ext nbdist").status == "ok"
+    template = int(k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().pid").result)
+    KEPT_TEMPLATES.add(template)
     yield k
     k.shutdown()
+    wait_for(lambda: not psutil.pid_exists(template) or psutil.Process(template).status() == psutil.STATUS_ZOMBIE,
+             5, what="the kernel's warm template to end with it")
+    KEPT_TEMPLATES.discard(template)
+
+
+def spawn_only(kernel):
+    """Tests of engines (mpirun, torchrun, srun) or of option checks: the start method changes nothing."""
+    if kernel.start_method != "spawn":
+        pytest.skip("no ranks of this kernel's own here: run once, with spawn")
 
 
 LOADER_CELL = """
@@ -158,6 +172,7 @@ def test_bg_returns_at_once_then_wait(kernel):
     ],
 )
 def test_bad_options_are_one_clear_line(kernel, line, message):
+    spawn_only(kernel)
     res = kernel.run(f"%%distributed {line}\nprint(1)")
     assert res.status == "error" and res.error["ename"] == "UsageError"
     assert message in res.error["evalue"] and "\n" not in res.error["evalue"].strip(), res.error["evalue"]
@@ -192,6 +207,7 @@ def test_kill_through_the_run_from_another_cell(kernel, tmp_path):
 
 
 def test_dist_ps_and_dist_kill_find_a_dead_kernels_leftovers(kernel):
+    spawn_only(kernel)
     import subprocess
 
     orphan = subprocess.Popen(["sleep", "60"], env=dict(os.environ, NBDIST_RUN_ID="20990101-000000-dead00"),
@@ -209,8 +225,10 @@ def test_dist_ps_and_dist_kill_find_a_dead_kernels_leftovers(kernel):
         orphan.wait()
 
 
-def test_kernel_sigkill_leaves_nothing_within_3_s(tmp_path):
-    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
+@pytest.mark.parametrize("start", ["spawn", "warm"])
+def test_kernel_sigkill_leaves_nothing_within_3_s(tmp_path, start):
+    # Warm ranks are the template's children: they die with the kernel through the template.
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", NBDIST_START_METHOD=start))
     try:
         k.run("%load_ext nbdist")
         k.run(f"READY = {str(tmp_path)!r}")
@@ -235,6 +253,7 @@ def test_launch_from_a_notebook_shows_the_notebook_source_line(kernel):
 
 
 def test_cell_under_mpirun(kernel):
+    spawn_only(kernel)
     import shutil
     import sys
 
@@ -249,6 +268,7 @@ def test_cell_under_mpirun(kernel):
 
 @pytest.mark.parametrize("engine", ["torchrun", "srun"])
 def test_cell_under_torchrun_and_srun(kernel, engine, request):
+    spawn_only(kernel)
     extra = ""
     if engine == "srun":
         cluster = request.getfixturevalue("slurm_cluster")
@@ -263,6 +283,7 @@ def test_cell_under_torchrun_and_srun(kernel, engine, request):
 
 
 def test_engine_options_are_checked_before_anything_starts(kernel):
+    spawn_only(kernel)
     res = kernel.run("%%distributed -n 2 --nnodes 2\n1")
     assert res.status == "error" and "--nnodes, --node-rank and --master-port are for --launcher" in res.error_text
     res = kernel.run("%%distributed -n 2 --launcher torchrun --nnodes 2\n1")

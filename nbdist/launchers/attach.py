@@ -273,7 +273,7 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_pr
             _KEEP["hosted"] = hosted.store
         addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
         rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)
-    launcher = SpawnLauncher(start_method=run_kwargs.pop("start_method", "spawn"), nnodes=size, node_rank=rank)
+    launcher = SpawnLauncher(start_method=run_kwargs.pop("start_method", None), nnodes=size, node_rank=rank)
     run = start_run(fn, args, kwargs, nprocs=nprocs, init_process_group=init_process_group,
                     launcher=launcher, rendezvous=rdzv, **run_kwargs)
     return run, channel

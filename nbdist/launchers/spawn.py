@@ -1,8 +1,14 @@
-"""The spawn launcher: ``torch.multiprocessing.start_processes(..., join=False)``, start method spawn.
+"""The spawn launcher: ranks this kernel makes itself, by one of three start methods.
 
-The only launcher that makes its ranks itself. Every rank is a direct child of the kernel, so
-the kernel reaps it and knows its exit code; the rank then leaves for its own session
-(:func:`nbdist.worker.prepare_rank_process`), which is what makes its children killable with it.
+* "spawn": ``torch.multiprocessing.start_processes(..., join=False)``, a fresh interpreter per rank;
+* "fork": the same, forking the kernel (refused once CUDA is initialised here);
+* "warm": forked from this kernel's warm template (:mod:`nbdist.warmstart`), which imported torch
+  already; it reaps the ranks and sends their exit codes over the run's connection.
+
+Spawned and forked ranks are the kernel's children: it reaps them and knows their exit codes.
+Every rank then leaves for its own session (:func:`nbdist.worker.prepare_rank_process`), which
+is what makes its children killable with it. The rest of the engine does not care how a rank
+was made.
 """
 
 from __future__ import annotations
@@ -13,14 +19,15 @@ import signal
 import threading
 from dataclasses import dataclass
 
+from .. import proctree
 from ..errors import LaunchConfigError
 from ..payload import RUN_DIR_ENV, RUN_ID_ENV, read_pids
 
-__all__ = ["SpawnLauncher", "check_start_method"]
+__all__ = ["SpawnLauncher", "check_start_method", "START_METHODS"]
 
 _ENV_LOCK = threading.Lock()
 _STARTING = threading.local()
-START_METHODS = ("spawn", "fork")
+START_METHODS = ("warm", "spawn", "fork")
 
 
 def _install_main_skipping():
@@ -50,7 +57,7 @@ def _install_main_skipping():
 
 def check_start_method(start_method: str) -> None:
     """Refuse what can't work, before any process starts: above all, fork after CUDA."""
-    if start_method not in START_METHODS:
+    if start_method not in START_METHODS:  # None/"auto" are resolved before this (nbdist.warm)
         raise LaunchConfigError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if start_method == "fork":
         import sys
@@ -59,7 +66,7 @@ def check_start_method(start_method: str) -> None:
         if torch is not None and torch.cuda.is_initialized():
             raise LaunchConfigError(
                 "CUDA is already initialised in this kernel, so forked ranks can't use it "
-                "('Cannot re-initialize CUDA in forked subprocess'); use start_method='spawn' (the default), "
+                "('Cannot re-initialize CUDA in forked subprocess'); use start_method='warm' or 'spawn' (the default), "
                 "or restart the kernel and launch before touching CUDA"
             )
 
@@ -95,11 +102,44 @@ def _environ_for_children(extra: dict[str, str]):
                     os.environ[k] = v
 
 
+class _ForkedRanks:
+    """Ranks the warm template forked: their exit codes arrive over the run's connection."""
+
+    def __init__(self, pids: dict[int, int], conn):
+        self.pids = pids
+        self.conn = conn
+        self.codes: dict[int, int | None] = dict.fromkeys(pids)
+
+    def poll(self) -> dict[int, int | None]:
+        try:
+            while self.conn is not None and self.conn.poll(0):
+                _, local, code = self.conn.recv()
+                self.codes[local] = code
+        except (EOFError, OSError):  # all told (the template closes it after the last) or it died
+            self.conn.close()
+            self.conn = None
+        if self.conn is None:
+            # A template that died took its ranks along (their PDEATHSIG): they were killed.
+            for rank, pid in self.pids.items():
+                if self.codes[rank] is None and proctree.is_gone(pid):
+                    self.codes[rank] = -signal.SIGKILL
+        return dict(self.codes)
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
 @dataclass
 class SpawnLauncher:
-    """Start ``nprocs`` ranks with torch's spawn and keep their handles."""
+    """Start ``nprocs`` ranks of this kernel and keep their handles.
 
-    start_method: str = "spawn"
+    ``start_method`` None means the default (:func:`nbdist.warmstart.choose_start_method`): "warm"
+    when the template is ready, else "spawn". It is resolved when the launcher is made.
+    """
+
+    start_method: str | None = None
     name: str = "spawn"
     # One spawning kernel per node of a bigger world (attach with --nprocs): this kernel's ranks
     # are node_rank * nprocs + local rank.
@@ -112,6 +152,12 @@ class SpawnLauncher:
         return self.nnodes * nprocs
 
     def __post_init__(self):
+        from ..warmstart import choose_start_method
+
+        self._explicit_warm = (self.start_method or os.environ.get("NBDIST_START_METHOD")) == "warm"
+        self.start_method = choose_start_method(self.start_method)
+        check_start_method(self.start_method)
+        self._forked: _ForkedRanks | None = None
         self._context = None
         self._pids: dict[int, int] = {}
         self._codes: dict[int, int | None] = {}
@@ -123,7 +169,6 @@ class SpawnLauncher:
 
         from ..worker import run_spawned_rank
 
-        check_start_method(self.start_method)
         # The kernel's resource tracker starts lazily with the first child; start it outside the
         # marked window, or it would carry this run's marker and be stopped with the run.
         resource_tracker.ensure_running()
@@ -131,6 +176,8 @@ class SpawnLauncher:
         # torchrun's default: N ranks on a shared CPU fight over threads otherwise.
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
             child_env["OMP_NUM_THREADS"] = "1"
+        if self.start_method == "warm" and self._start_warm(run_dir, run_id, nprocs, child_env):
+            return
         _install_main_skipping()
         with _environ_for_children(child_env):
             _STARTING.active = True
@@ -148,19 +195,44 @@ class SpawnLauncher:
         self._pids = {rank: p.pid for rank, p in enumerate(self._context.processes)}
         self._codes = dict.fromkeys(self._pids)
 
+    def _start_warm(self, run_dir: str, run_id: str, nprocs: int, child_env: dict) -> bool:
+        """Fork the ranks from the template; False (said once) when it can't, and then we spawn."""
+        import sys
+
+        from ..warmstart import WarmUnavailable, fork_ranks, tell_once
+
+        # spawn's semantics: the kernel's env, sys.path, cwd and argv as they are now, at launch.
+        request = {"run_id": run_id, "run_dir": run_dir, "ranks": list(range(nprocs)),
+                   "env": {**os.environ, **child_env}, "cwd": os.getcwd(), "sys_path": list(sys.path),
+                   "argv": list(sys.argv)}
+        try:
+            pids, conn = fork_ranks(request, explicit=self._explicit_warm)
+        except WarmUnavailable as exc:
+            tell_once(f"{exc}; starting the ranks with spawn")
+            self.start_method = "spawn"
+            return False
+        self._forked = _ForkedRanks({int(r): p for r, p in pids.items()}, conn)
+        self._pids = dict(self._forked.pids)
+        self._codes = dict.fromkeys(self._pids)
+        return True
+
     @property
     def pids(self) -> dict[int, int]:
         """rank -> pid; kept after the handles are closed."""
         return dict(self._pids)
 
-    def sentinels(self) -> list[int]:
+    def sentinels(self) -> list:
+        if self._forked is not None:
+            return [self._forked.conn] if self._forked.conn is not None else []
         if self._context is None:
             return []
         return [p.sentinel for r, p in enumerate(self._context.processes) if self._codes[r] is None]
 
     def poll(self) -> dict[int, int | None]:
         """rank -> exit code, or None while running. Reaps exited ranks."""
-        if self._context is not None:
+        if self._forked is not None:
+            self._codes = self._forked.poll()
+        elif self._context is not None:
             for rank, p in enumerate(self._context.processes):
                 if self._codes[rank] is None:
                     self._codes[rank] = p.exitcode
@@ -172,6 +244,8 @@ class SpawnLauncher:
         What a rank left in its process group (a DataLoader worker it never joined) is killed
         before the rank is reaped, while its pid, the group's id, is still reserved.
         """
+        if self._forked is not None:  # the template cleared each group before it reaped the rank
+            return {r: c for r, c in self.poll().items() if r not in known and c is not None}
         out, recorded = {}, None
         for rank, pid in self._pids.items():
             if rank in known or not _exited_unreaped(pid):
@@ -194,6 +268,10 @@ class SpawnLauncher:
 
     def close(self) -> None:
         """Release the handles of exited ranks (their pipes); running ones stay open."""
+        if self._forked is not None:
+            if all(c is not None for c in self.poll().values()):
+                self._forked.close()
+            return
         if self._context is None:
             return
         self.poll()
