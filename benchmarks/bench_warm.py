@@ -87,7 +87,7 @@ def _script(workdir: str, body: str) -> float:
                          cwd=workdir, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=workdir), timeout=600)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
-    return [float(x) for x in out.stdout.split()]
+    return [float(x) for x in out.stdout.strip().splitlines()[-1].split()]
 
 
 def bench_scripts(n: int, repeat: int, workdir: str) -> dict:
