@@ -13,6 +13,7 @@ cancels the wait, which stops the run. Terminal IPython runs the same steps sync
 from __future__ import annotations
 
 import asyncio
+import html
 import os
 import re
 import shlex
@@ -27,7 +28,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from . import payload
 from .api import BACKENDS, default_nprocs, kill, ps
 from .cell import PULL_FILE, CellSource, find_read_names, run_cell
-from .cli import format_table
+from .cli import describe_template, format_table, sort_procs
 from .errors import LaunchConfigError
 from .launchers import ENGINES, LAUNCHERS, choose_master_addr, make_engine_launcher
 from .view import FLUSH_INTERVAL, make_view
@@ -397,16 +398,20 @@ class DistributedMagics(Magics):
 
 
 def _procs_html(procs) -> str:
-    if not procs:
-        return "<span style='font-size:12px'>no nbdist processes are running</span>"
+    ranks = [p for p in procs if not p.is_template]
+    notes = "".join(f"<div style='font-size:12px;color:#666'>{html.escape(describe_template(p))}</div>"
+                    for p in sort_procs([p for p in procs if p.is_template]))
+    if not ranks:
+        return f"<span style='font-size:12px'>no nbdist ranks are running</span>{notes}"
     head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>"
                    for h in ("run id", "rank", "pid", "age", "memory", "command"))
     rows = []
-    for p in sorted(procs, key=lambda p: (p.run_id, p.rank if p.rank is not None else 1 << 30, p.pid)):
+    for p in sort_procs(ranks):
         cells = (p.run_id, "-" if p.rank is None else p.rank, p.pid, f"{p.age:.0f} s",
                  f"{p.rss / 2**20:.0f} MiB", p.cmdline[:70])
-        rows.append("<tr>" + "".join(f"<td style='padding:2px 10px'><code>{c}</code></td>" for c in cells) + "</tr>")
-    return f"<table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}</table>"
+        rows.append("<tr>" + "".join(f"<td style='padding:2px 10px'><code>{html.escape(str(c))}</code></td>"
+                                     for c in cells) + "</tr>")
+    return f"<table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}</table>{notes}"
 
 
 def load_ipython_extension(ipython) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "choose_runs_root",
     "create_run_dir",
     "new_run_id",
+    "TEMPLATE_PREFIX",
     "write_private",
     "write_spec",
     "read_spec",
@@ -88,6 +89,10 @@ class RunSpec:
             local_world_size=self.nprocs,
             node_rank=node,
         )
+
+
+# A warm template's run id (nbdist.warmstart) starts with this; ps tells templates from ranks by it.
+TEMPLATE_PREFIX = "warm-"
 
 
 def new_run_id() -> str:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from .marker import read_marker
-from .payload import read_pids
+from .payload import TEMPLATE_PREFIX, read_pids
 
 __all__ = [
     "MarkedProcess",
@@ -49,6 +49,33 @@ class MarkedProcess:
     @property
     def age(self) -> float:
         return max(0.0, time.time() - self.started)
+
+    @property
+    def is_template(self) -> bool:
+        """A kernel's warm template (it forks ranks; it is not a rank of any run)."""
+        return self.run_id.startswith(TEMPLATE_PREFIX)
+
+    @property
+    def orphaned(self) -> bool:
+        """True when the kernel that started this process is no longer its parent.
+
+        A template is legitimate only while its kernel lives (PDEATHSIG normally ends it with the
+        kernel); one handed to init or a subreaper is a leftover to kill. The kernel's pid is in
+        the template's run dir, so a subreaper that adopted it is not taken for its kernel.
+        """
+        owner = None
+        if self.run_dir:
+            try:
+                with open(os.path.join(self.run_dir, "kernel.pid")) as fh:
+                    owner = int(fh.read().strip() or 0)
+            except (OSError, ValueError):
+                pass
+        if self.ppid <= 1 or (owner is not None and owner != self.ppid):
+            return True
+        try:
+            return psutil.Process(self.ppid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
 
 
 @dataclass

@@ -24,11 +24,11 @@ from multiprocessing.connection import Connection
 
 from . import payload
 from .marker import reserve_marker_env
+from .payload import TEMPLATE_PREFIX
 
 __all__ = ["WarmTemplate", "WarmUnavailable", "warm", "current_template", "choose_start_method",
            "fork_ranks", "start_in_background", "close_templates", "tell_once", "TEMPLATE_PREFIX"]
 
-TEMPLATE_PREFIX = "warm-"
 WARM_ENV = "NBDIST_WARM"  # "0" turns warm start off
 START_METHOD_ENV = "NBDIST_START_METHOD"  # the default start method: auto, warm, spawn or fork
 _ENTRY = "import sys; from nbdist.template import main; sys.exit(main())"
@@ -62,6 +62,8 @@ class WarmTemplate:
         self.run_id = TEMPLATE_PREFIX + payload.new_run_id()
         self.run_dir = payload.create_run_dir(self.run_id, runs_root)
         self.log_path = os.path.join(self.run_dir, "template.log")
+        # ps tells a template whose kernel is gone (a leftover) from one that serves a live kernel.
+        payload.write_private(os.path.join(self.run_dir, "kernel.pid"), str(os.getpid()).encode())
         self.status, self.reason, self.info = "starting", None, {}
         self.started = time.monotonic()
         self.ready_after: float | None = None

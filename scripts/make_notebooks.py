@@ -77,7 +77,9 @@ write("01_quickstart.ipynb", [
          "ax.set_title('DDP on 4 CPU ranks')\n"
          "plt.show()\n"
          "print(_dist.status, _dist.results, _dist.run_dir)"),
-    md("Nothing is left running: `%dist_ps` lists leftover ranks of any run, even of a dead kernel."),
+    md("Nothing is left running: `%dist_ps` lists leftover ranks of any run, even of a dead kernel. The "
+       "kernel's warm template stays, listed below the table: it forks the next cell's ranks in milliseconds, "
+       "and it ends with the kernel."),
     code("%dist_ps"),
 ])
 

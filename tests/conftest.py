@@ -64,10 +64,17 @@ def _leftovers(before: set[int]) -> dict[int, str]:
             continue
         if _TRACKER not in cmd:
             left[pid] = cmd[:120]
-    for m in proctree.find_marked():
-        if m.pid not in KEPT_TEMPLATES:
-            left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
+    for m in find_marked_leftovers():
+        left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
     return left
+
+
+def find_marked_leftovers(run_id=None):
+    """Marked processes that must not outlive a test: every rank and its children, and a warm
+    template whose kernel is gone. The template of a live kernel (a kept one, or one that a
+    JupyterLab kernel of the browser suite started) belongs to that kernel, which is checked itself."""
+    return [m for m in proctree.find_marked(run_id)
+            if m.pid not in KEPT_TEMPLATES and not (m.is_template and not m.orphaned)]
 
 
 @pytest.fixture(autouse=True)
@@ -174,8 +181,8 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
 
 
 def marked_pids(run_id=None) -> set[int]:
-    """Marked processes (of ``run_id``, or of any run), less the warm templates fixtures keep."""
-    return {m.pid for m in proctree.find_marked(run_id)} - KEPT_TEMPLATES
+    """Marked processes (of ``run_id``, or of any run), less the templates of live kernels."""
+    return {m.pid for m in find_marked_leftovers(run_id)}
 
 
 @pytest.fixture(scope="session")

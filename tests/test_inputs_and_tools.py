@@ -14,13 +14,14 @@ import pytest
 import nbdist
 from nbdist.errors import LaunchConfigError
 from nbdist.world import detect_world
-from conftest import ROOT, live_descendants, marked_pids, wait_for
+from conftest import KEPT_TEMPLATES, ROOT, live_descendants, marked_pids, wait_for
 
 
 def _children():
-    # Not the session's helpers (the test Slurm's daemons), nor the kernel's resource tracker.
+    # Not the session's helpers (the test Slurm's daemons), nor the kernel's resource tracker,
+    # nor this process's warm template, which the session keeps.
     out = []
-    for pid in live_descendants():
+    for pid in live_descendants() - KEPT_TEMPLATES:
         try:
             if "resource_tracker" not in " ".join(psutil.Process(pid).cmdline()):
                 out.append(pid)

@@ -57,7 +57,8 @@ def test_quickstart_notebook(tmp_path):
     rank0 = ["".join(o.get("text", "") for o in s.get("outputs", [])) for s in _widget_models(nb, "OutputModel")]
     bars = [line for t in rank0 for line in t.splitlines() if "training:" in line and not line.startswith("[")]
     assert len(bars) == 1 and "80/80" in bars[0], bars
-    assert "no nbdist processes are running" in "".join(o.get("text", "") for o in code[-1].outputs)
+    ps_text = "".join(o.get("text", "") for o in code[-1].outputs)
+    assert "no nbdist ranks are running" in ps_text and "warm template pid" in ps_text, ps_text
 
 
 @pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode"])
@@ -69,7 +70,7 @@ def test_doc_notebooks_run(name, tmp_path):
     if name == "02_failures_and_interrupts":
         assert "rank 1 failed first" in text and "FileNotFoundError" in text
         assert "timed out after 6 s" in text and "wait_for_a_message_that_never_comes" in text
-        assert "2 ranks stopped" in text and "no nbdist processes are running" in text
+        assert "2 ranks stopped" in text and "no nbdist ranks are running" in text
     elif name == "03_launch_api":
         assert "{0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}" in text
         assert "first to fail: 1" in text and "results kept: {0: 'ok'}" in text
