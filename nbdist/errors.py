@@ -66,10 +66,13 @@ class RankFailure:
     hint: str | None = None
     time: float = 0.0
     secondary: bool = False  # a consequence of another rank's death (peer closed the connection)
+    stack: str | None = None  # every thread's stack when a timeout stopped the rank (faulthandler's dump)
 
     def describe(self) -> str:
         """One line: how this rank ended."""
-        if self.signal_name:
+        if self.stack is not None or (self.message and "timeout expired" in self.message):
+            how = self.message  # stopped by the timeout: the signal was ours, where it stood is the news
+        elif self.signal_name:
             how = f"killed by {self.signal_name}"
         elif self.exc_type:
             how = f"raised {self.exc_type}" + (f": {self.message}" if self.message else "")
@@ -183,7 +186,25 @@ class WorkerFailedError(RuntimeError):
 
 
 class RunTimeoutError(WorkerFailedError, TimeoutError):
-    """The run's ``timeout`` expired; every rank's stack was dumped into its log before the stop."""
+    """The run's ``timeout`` expired; every rank's stack was dumped into its log before the stop.
+
+    ``failures`` has every rank the timeout stopped, each with its ``stack`` and a ``message``
+    that says whether it was still starting or in the user's code, and where.
+    """
+
+    def _compose(self) -> str:
+        lines = [self.reason or "the run timed out"]
+        for ranks, f in sorted(_group_tracebacks(self.failures), key=lambda g: g[0]):
+            lines.append(f"--- {format_rank_set(ranks)}: {f.message} ---")
+            if f.traceback:
+                lines.append(f.traceback.rstrip())
+        if self.run_dir:
+            lines.append(f"logs: {self.run_dir}")
+        return "\n".join(lines)
+
+    def _render_traceback_(self) -> list[str]:
+        lines = self._compose().split("\n")
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {lines[0]}", *lines[1:]]
 
 
 class RunStoppedError(RuntimeError):

@@ -26,6 +26,8 @@ __all__ = [
     "choose_runs_root",
     "create_run_dir",
     "new_run_id",
+    "record_running",
+    "read_running",
     "TEMPLATE_PREFIX",
     "write_private",
     "write_spec",
@@ -245,6 +247,24 @@ def record_pid(run_dir: str, rank: int, pid: int) -> None:
         os.write(fd, f"{rank} {pid}\n".encode())
     finally:
         os.close(fd)
+
+
+def record_running(run_dir: str, rank: int) -> None:
+    """The rank is past its startup (imports, process group) and in the user's code."""
+    fd = os.open(os.path.join(run_dir, "running"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, f"{rank}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def read_running(run_dir: str) -> set[int]:
+    """Ranks that reached the user's code (the others were still starting)."""
+    try:
+        with open(os.path.join(run_dir, "running")) as fh:
+            return {int(line) for line in fh if line.strip().isdigit()}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
 
 
 def read_pids(run_dir: str) -> dict[int, int]:

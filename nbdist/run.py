@@ -26,8 +26,11 @@ import weakref
 from dataclasses import dataclass, field
 
 from . import payload, proctree
-from .errors import RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError, describe_exitcode
+from .errors import (RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError, describe_exitcode,
+                     format_rank_set)
 from .payload import RunSpec
+from .stacks import read_dump
+from .worker import STACK_DUMP_SIGNAL
 from .streams import OutputChunk, RankOutput
 
 __all__ = ["Run", "RankStatus", "RunEvent", "start_run"]
@@ -117,6 +120,7 @@ class Run:
         self._pumped_final = False
         self._stopping: str | None = None
         self._exit_seen: dict[int, float] = {}
+        self._timed_out: dict[int, tuple] = {}  # global rank -> (its stack dump, whether it was in user code)
         self._monitor: threading.Thread | None = None
 
     # ---- public state -------------------------------------------------------------------
@@ -248,31 +252,33 @@ class Run:
             self._set_rank_status(r, "finished" if code == 0 and ok else "failed", code)
 
     def _time_out(self) -> None:
-        """Dump every rank's stacks into its log, then stop the run as failed."""
-        sizes = {}
-        for r, st in self.ranks.items():
-            if st.status not in TERMINAL and st.pid:
-                path = payload.log_path(self.run_dir, self.global_rank(r), "stderr")
-                sizes[r] = os.path.getsize(path) if os.path.exists(path) else 0
+        """Dump every rank's stacks into its log (a rank still starting too), then stop the run as failed."""
+        live = {r: st.pid for r, st in self.ranks.items() if st.status not in TERMINAL}
+        paths = {r: payload.log_path(self.run_dir, self.global_rank(r), "stderr") for r in live}
+        sizes = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
+        for r, pid in live.items():
+            if pid:  # a new rank holds the signal until its handler is in: it never dies of it
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(st.pid, signal.SIGUSR1)
+                    os.kill(pid, STACK_DUMP_SIGNAL)
+        dumps: dict[int, object] = {}
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            grown = all(
-                os.path.exists(p) and os.path.getsize(p) > sizes[r]
-                for r, p in ((r, payload.log_path(self.run_dir, self.global_rank(r), "stderr")) for r in sizes)
-            )
-            if grown:
-                time.sleep(0.1)  # let the dump finish
-                break
+        while time.monotonic() < deadline and len(dumps) < sum(1 for pid in live.values() if pid):
             time.sleep(0.05)
-        self._stop(
-            "failed",
-            INTERRUPT_LADDER,
-            timeout=min(self.stop_timeout, 3.0),
-            reason=f"timed out after {self.timeout:g} s (stacks dumped into the rank logs)",
-            error_type=RunTimeoutError,
-        )
+            for r in live:
+                if r not in dumps and live[r]:
+                    dump = read_dump(paths[r], sizes[r])
+                    if dump is not None:
+                        dumps[r] = dump
+        running = payload.read_running(self.run_dir)
+        self._timed_out = {self.global_rank(r): (dumps.get(r), self.global_rank(r) in running) for r in live}
+        starting = sorted(g for g, (_, in_code) in self._timed_out.items() if not in_code)
+        reason = f"timed out after {self.timeout:g} s"
+        if starting:
+            verb = "was" if len(starting) == 1 else "were"
+            where = next((d.where for g, (d, _) in sorted(self._timed_out.items()) if g in starting and d), None)
+            reason += f" while {format_rank_set(starting)} {verb} still starting" + (f" ({where})" if where else "")
+        self._stop("failed", INTERRUPT_LADDER, timeout=min(self.stop_timeout, 3.0),
+                   reason=reason + " (stacks dumped into the rank logs)", error_type=RunTimeoutError)
 
     def _stop(self, status: str, signals, timeout: float, reason: str | None = None,
               error_type=WorkerFailedError) -> proctree.StopReport:
@@ -302,7 +308,7 @@ class Run:
         for r, st in self.ranks.items():
             grank = self.global_rank(r)
             info = payload.read_error(self.run_dir, grank)
-            if info is None and st.status != "failed":
+            if info is None and st.status != "failed" and grank not in self._timed_out:
                 continue
             exitcode, signame = describe_exitcode(st.exitcode)
             f = RankFailure(rank=grank, pid=st.pid, exitcode=exitcode, signal_name=signame,
@@ -311,6 +317,16 @@ class Run:
                 f.traceback, f.exc_type, f.message = info["traceback"], info["exc_type"], info["message"]
                 f.user_traceback = info.get("user_traceback")
                 f.hint, f.secondary, f.time = info.get("hint"), info.get("secondary", False), info["time"]
+            elif grank in self._timed_out:  # stopped by the timeout: where it stood is what it said
+                dump, in_code = self._timed_out[grank]
+                f.message = ("running" if in_code else "still starting") + " when the timeout expired"
+                if dump is not None:
+                    f.message += f", {dump.where}"
+                    f.traceback, f.stack = dump.main, dump.text
+                elif not st.pid:
+                    f.message = "had not started when the timeout expired"
+                else:
+                    f.message += " (it left no stack)"
             elif st.exitcode == 0:
                 f.message = "exited with code 0 without returning a result"
             else:

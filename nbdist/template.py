@@ -209,10 +209,13 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     fd, kernel_pid, preload = int(argv[0]), int(argv[1]), argv[2:]
-    from nbdist.worker import _set_pdeathsig
+    from nbdist.worker import STACK_DUMP_SIGNAL, _set_pdeathsig
 
     # Our own session already keeps the terminal's Ctrl-C away; a stray SIGINT is for ranks, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Held for our whole life, so every rank we fork starts with it held: a timeout's stack dump
+    # that comes before the rank's handler is in waits for it instead of killing the rank.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
     if os.environ.get("NBDIST_TEMPLATE_PDEATHSIG") == "1":
         _set_pdeathsig(signal.SIGKILL)
     if os.getppid() != kernel_pid:

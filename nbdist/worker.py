@@ -8,6 +8,7 @@ result or the error. Standard library plus payload; torch is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import os
@@ -30,6 +31,7 @@ __all__ = [
     "run_spawned_rank",
     "identity_under_engine",
     "start_output_mirror",
+    "dump_signal_held",
     "main",
 ]
 
@@ -93,9 +95,26 @@ def _kill_own_group(*_):
         os._exit(137)
 
 
+@contextlib.contextmanager
+def dump_signal_held():
+    """Hold STACK_DUMP_SIGNAL in this thread (and so in every process it starts) for the block.
+
+    A new rank inherits the held signal: a timeout that expires while the rank is still starting
+    leaves the signal pending instead of killing the rank by its default action, and the rank
+    dumps its stack as soon as its handler is in (:func:`prepare_rank_process`).
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _watch_parent(parent_pid: int, interval: float) -> None:
     # PDEATHSIG alone kills only this process; grandchildren would be orphaned. This thread
     # needs no signal delivery and works while the main thread sits in a C call without the GIL.
+    # The stack dump is for the main thread to take, so the dump's "current thread" is the rank's own.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
     while True:
         if os.getppid() != parent_pid:
             _kill_own_group()
@@ -131,11 +150,15 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
 
     multiprocessing.set_start_method(spec.mp_start_method, force=True)
     redirect_output(run_dir, identity.rank)
-    export_rank_env(spec, identity)
-    payload.record_pid(run_dir, identity.rank, os.getpid())
     # On timeout the kernel sends STACK_DUMP_SIGNAL: every thread's stack goes into this rank's log.
+    # This comes before anything slow (torch is imported later): a rank still starting can be dumped,
+    # and a signal that arrived while it was held is taken now.
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_DUMP_SIGNAL})
+    export_rank_env(spec, identity)
+    # After the handler: the kernel signals only ranks it knows, and an engine's ranks it knows from here.
+    payload.record_pid(run_dir, identity.rank, os.getpid())
 
 
 def redirect_output(run_dir: str, rank: int) -> None:
@@ -266,6 +289,7 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity) -> int:
     try:
         created_group = init_distributed(spec, identity)
         fn, args, kwargs, _extra = payload.read_payload(run_dir)
+        payload.record_running(run_dir, identity.rank)
         value = fn(*args, **kwargs)
         payload.write_result(run_dir, identity.rank, value)
         code = 0

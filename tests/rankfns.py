@@ -128,3 +128,23 @@ def talk_then_wait(ready_dir, lines=20):
     while not os.path.exists(os.path.join(ready_dir, "go")):
         time.sleep(0.05)
     return rank
+
+
+def load_slowly(seconds=300):
+    """Unpickled on the rank before the user's function runs: a startup that takes its time."""
+
+    def heavy_import_at_startup():
+        time.sleep(seconds)
+
+    heavy_import_at_startup()
+
+
+class SlowToLoad:
+    """An argument whose loading on the rank stands for a heavy import (part of the rank's startup)."""
+
+    def __reduce__(self):
+        return (load_slowly, ())
+
+
+def takes_anything(*args):
+    return len(args)

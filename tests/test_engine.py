@@ -184,6 +184,28 @@ def test_timeout_dumps_every_stack_then_stops():
         assert "most recent call first" in log and "deep_in_user_code" in log, log
 
 
+def test_timeout_while_ranks_start_dumps_their_stacks_and_says_they_were_starting(start_method):
+    # The argument takes minutes to load on the rank: the timeout expires during the startup.
+    t0 = time.monotonic()
+    run = nbdist.launch(rankfns.takes_anything, rankfns.SlowToLoad(), nprocs=2, timeout=2, join=False)
+    with pytest.raises(nbdist.RunTimeoutError) as info:
+        run.wait(timeout=90)
+    took = time.monotonic() - t0
+    err = info.value
+    print(f"{start_method}: timeout during startup -> error in {took:.2f} s: {str(err).splitlines()[0]}")
+    assert "timed out after 2 s while ranks 0-1 were still starting" in str(err), str(err)
+    assert set(err.failures) == {0, 1} and err.rank == 0
+    assert os.path.exists(os.path.join(run.run_dir, "pids")), "the ranks recorded themselves"
+    for rank, failure in err.failures.items():
+        assert failure.signal_name != "SIGUSR1" and "still starting when the timeout expired, " in failure.message
+        assert failure.stack and "most recent call first" in failure.stack
+        with open(os.path.join(run.run_dir, f"rank{rank}.stderr")) as fh:
+            assert failure.stack in fh.read(), "the same stack is in the rank's log"
+        if start_method == "warm":  # ready in milliseconds: the ranks are in the slow load by now
+            assert "heavy_import_at_startup" in failure.stack and "heavy_import_at_startup" in str(err)
+    assert took < 15
+
+
 def test_every_byte_reaches_the_rank_logs():
     run = nbdist.launch(rankfns.write_everywhere, nprocs=2, join=False, init_process_group=False)
     assert run.wait(timeout=60) == {0: 0, 1: 1}

@@ -1,6 +1,6 @@
 """The spawn launcher: ranks this kernel makes itself, by one of three start methods.
 
-* "spawn": ``torch.multiprocessing.start_processes(..., join=False)``, a fresh interpreter per rank;
+* "spawn": a fresh interpreter per rank (``multiprocessing``'s spawn, nbdist's entry point first);
 * "fork": the same, forking the kernel (refused once CUDA is initialised here);
 * "warm": forked from this kernel's warm template (:mod:`nbdist.warmstart`), which imported torch
   already; it reaps the ranks and sends their exit codes over the run's connection.
@@ -158,16 +158,15 @@ class SpawnLauncher:
         self.start_method = choose_start_method(self.start_method)
         check_start_method(self.start_method)
         self._forked: _ForkedRanks | None = None
-        self._context = None
+        self._processes: list | None = None
         self._pids: dict[int, int] = {}
         self._codes: dict[int, int | None] = {}
 
     def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
+        import multiprocessing
         import multiprocessing.resource_tracker as resource_tracker
 
-        import torch.multiprocessing as tmp
-
-        from ..worker import run_spawned_rank
+        from ..worker import dump_signal_held, run_spawned_rank
 
         # The kernel's resource tracker starts lazily with the first child; start it outside the
         # marked window, or it would carry this run's marker and be stopped with the run.
@@ -179,20 +178,21 @@ class SpawnLauncher:
         if self.start_method == "warm" and self._start_warm(run_dir, run_id, nprocs, child_env):
             return
         _install_main_skipping()
-        with _environ_for_children(child_env):
+        # Plain multiprocessing, not torch.multiprocessing.start_processes: its entry point imports
+        # torch before ours runs, so a rank would spend its first seconds without nbdist's stack-dump
+        # handler, its log or its process group. Ours imports only nbdist.worker (stdlib) first.
+        context = multiprocessing.get_context(self.start_method)
+        processes = [context.Process(target=run_spawned_rank, args=(rank, run_dir), daemon=False,
+                                     name=f"nbdist-rank-{rank}") for rank in range(nprocs)]
+        with _environ_for_children(child_env), dump_signal_held():
             _STARTING.active = True
             try:
-                self._context = tmp.start_processes(
-                    run_spawned_rank,
-                    args=(run_dir,),
-                    nprocs=nprocs,
-                    join=False,
-                    daemon=False,
-                    start_method=self.start_method,
-                )
+                for p in processes:
+                    p.start()
             finally:
                 _STARTING.active = False
-        self._pids = {rank: p.pid for rank, p in enumerate(self._context.processes)}
+        self._processes = processes
+        self._pids = {rank: p.pid for rank, p in enumerate(processes)}
         self._codes = dict.fromkeys(self._pids)
 
     def _start_warm(self, run_dir: str, run_id: str, nprocs: int, child_env: dict) -> bool:
@@ -224,16 +224,16 @@ class SpawnLauncher:
     def sentinels(self) -> list:
         if self._forked is not None:
             return [self._forked.conn] if self._forked.conn is not None else []
-        if self._context is None:
+        if self._processes is None:
             return []
-        return [p.sentinel for r, p in enumerate(self._context.processes) if self._codes[r] is None]
+        return [p.sentinel for r, p in enumerate(self._processes) if self._codes[r] is None]
 
     def poll(self) -> dict[int, int | None]:
         """rank -> exit code, or None while running. Reaps exited ranks."""
         if self._forked is not None:
             self._codes = self._forked.poll()
-        elif self._context is not None:
-            for rank, p in enumerate(self._context.processes):
+        elif self._processes is not None:
+            for rank, p in enumerate(self._processes):
                 if self._codes[rank] is None:
                     self._codes[rank] = p.exitcode
         return dict(self._codes)
@@ -272,10 +272,10 @@ class SpawnLauncher:
             if all(c is not None for c in self.poll().values()):
                 self._forked.close()
             return
-        if self._context is None:
+        if self._processes is None:
             return
         self.poll()
         if all(c is not None for c in self._codes.values()):
-            for p in self._context.processes:
+            for p in self._processes:
                 p.close()
-            self._context = None
+            self._processes = None
