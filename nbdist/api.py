@@ -2,47 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
 import signal
 
 from . import proctree
 from .errors import LaunchConfigError
-from .launchers import ENGINES, check_launcher_name, choose_master_addr, make_engine_launcher
-from .rendezvous import check_dist_url
+from .options import BACKENDS, WorldOptions, default_nprocs
 from .world import detect_world
 
-__all__ = ["launch", "ps", "kill", "default_nprocs"]
-
-BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
-
-
-def default_nprocs() -> int:
-    """The number of GPUs, or 2 on a machine without one. Never initialises CUDA (fork stays safe)."""
-    try:
-        import torch
-
-        n = torch.cuda.device_count()  # NVML-based where possible: no CUDA context is created
-    except Exception:
-        n = 0
-    return n if n > 0 else 2
-
-
-def _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env):
-    if not callable(fn):
-        raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
-    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, numbers.Integral) or nprocs < 1):
-        raise LaunchConfigError(f"nprocs must be an int >= 1, got {nprocs!r}")
-    check_launcher_name(launcher)
-    check_dist_url(dist_url)
-    if backend not in BACKENDS:
-        raise LaunchConfigError(f"unknown backend {backend!r}; choose one of: {', '.join(BACKENDS)}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or timeout <= 0):
-        raise LaunchConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    if env is not None and (
-        not isinstance(env, dict) or not all(isinstance(k, str) and k and "=" not in k for k in env)
-    ):
-        raise LaunchConfigError("env must be a dict of variable names to values, e.g. {'NCCL_DEBUG': 'INFO'}")
-
+__all__ = ["launch", "ps", "kill", "default_nprocs", "BACKENDS"]
 
 def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="auto", init_process_group=True,
            timeout=None, env=None, join=True, start_method=None, run_dir=None, stop_timeout=5.0,
@@ -123,41 +90,28 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     >>> nbdist.launch(total, 1.0, nprocs=4)
     {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
     """
-    from .run import start_run
+    from .start import start_run
 
-    _check_inputs(fn, nprocs, launcher, dist_url, backend, timeout, env)
+    if not callable(fn):
+        raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
+    options = WorldOptions(nprocs=nprocs, launcher=launcher, backend=backend, dist_url=dist_url,
+                           init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,
+                           run_dir=run_dir, stop_timeout=stop_timeout, launcher_args=launcher_args, nnodes=nnodes,
+                           node_rank=node_rank, master_addr=master_addr, master_port=master_port).check()
     world = detect_world() if launcher in ("auto", "attach") else None
-    if launcher_args is not None and launcher not in ENGINES:
-        raise LaunchConfigError(f"launcher_args are for an engine ({', '.join(ENGINES)}), not launcher={launcher!r}")
-    for name, value, low in (("nnodes", nnodes, 1), ("node_rank", node_rank, 0)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-            raise LaunchConfigError(f"{name} must be an int >= {low}, got {value!r}")
-    if launcher == "torchrun" and dist_url != "auto":
-        raise LaunchConfigError("launcher='torchrun' brings its own rendezvous (env://); leave dist_url='auto'")
-    if (nnodes != 1 or node_rank != 0 or master_port is not None) and launcher not in ENGINES:
-        raise LaunchConfigError(f"nnodes, node_rank and master_port are for launcher='torchrun' or 'srun', "
-                                f"not launcher={launcher!r}")
     if launcher == "attach" and world is None:
         raise LaunchConfigError("launcher='attach' needs a torchrun, MPI or Slurm world of more than one rank around this process")
     if world is not None and nprocs is not None:
         from .launchers.attach import run_per_kernel
 
         # Each kernel of the world spawns nprocs ranks of its own: one world of world_size * nprocs.
-        return run_per_kernel(fn, args, kwargs, world, nprocs, backend=backend,
-                              init_process_group=init_process_group, runs_root=run_dir, timeout=timeout, env=env,
-                              start_method=start_method, stop_timeout=stop_timeout)
+        return run_per_kernel(fn, args, kwargs, world, options)
     if world is not None:
         from .launchers.attach import run_attached
 
         return run_attached(fn, args, kwargs, world, dist_url=dist_url, backend=backend,
                             init_process_group=init_process_group)
-    engine = make_engine_launcher(launcher, launcher_args, nnodes=nnodes, node_rank=node_rank,
-                                  master_addr=master_addr, master_port=master_port)
-    run = start_run(
-        fn, args, kwargs, nprocs=nprocs or default_nprocs(), runs_root=run_dir, backend=backend, dist_url=dist_url,
-        init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,
-        stop_timeout=stop_timeout, launcher=engine, master_addr=choose_master_addr(engine, master_addr),
-    )
+    run = start_run(fn, args, kwargs, options, launcher=options.make_engine())
     if not join:
         return run
     return run.wait()

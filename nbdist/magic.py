@@ -2,7 +2,7 @@
 
 Thin, like ipyparallel's magics: parse options with ``magic_arguments``, turn the cell into a
 payload, pick a view, wait, and translate the notebook's interrupt into ``Run.interrupt()``.
-All lifecycle logic stays in :mod:`nbdist.run`.
+All lifecycle logic stays in :mod:`nbdist.run` and :mod:`nbdist.start`.
 
 In a Jupyter kernel a ``%%distributed`` cell runs as an *awaiting* cell (an input transformer
 rewrites it into ``await nbdist.magic.run_cell_async(...)``): the kernel's event loop stays free,
@@ -16,7 +16,6 @@ import asyncio
 import html
 import os
 import re
-import shlex
 import time
 import types
 from dataclasses import dataclass, field
@@ -26,11 +25,11 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import payload
-from .api import BACKENDS, default_nprocs, kill, ps
+from .api import kill, ps
 from .cell import PULL_FILE, CellSource, find_read_names, run_cell
 from .cli import describe_template, format_table, sort_procs
 from .errors import LaunchConfigError
-from .launchers import ENGINES, LAUNCHERS, choose_master_addr, make_engine_launcher
+from .options import WorldOptions
 from .view import FLUSH_INTERVAL, make_view
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
@@ -44,13 +43,14 @@ class CellJob:
     """A parsed, checked cell, ready to start: everything is validated before a process exists."""
 
     args: object
+    options: WorldOptions
+    engine: object  # the engine launcher (torchrun, mpirun, srun), or None for spawn/attach
     run_id: str
     run_dir: str
     cell_file: str
     pushed: dict = field(default_factory=dict)  # name -> pickled bytes
     modules: dict = field(default_factory=dict)  # name -> module name
     pull: list = field(default_factory=list)
-    env: dict = field(default_factory=dict)
     channel: object = None  # set when each kernel of an attached world spawns its own ranks
 
 
@@ -72,33 +72,32 @@ def _parse_env(items) -> dict:
     return env
 
 
-def _check_options(args) -> None:
-    if args.nprocs is not None and args.nprocs < 1:
-        raise UsageError(f"--nprocs must be at least 1, got {args.nprocs}")
-    if args.timeout is not None and args.timeout <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    if args.backend not in BACKENDS:
-        raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {args.backend!r}")
-    if args.launcher not in LAUNCHERS:
-        raise UsageError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {args.launcher!r}")
-    if args.nnodes < 1 or args.node_rank < 0:
-        raise UsageError(f"--nnodes must be >= 1 and --node-rank >= 0, got {args.nnodes} and {args.node_rank}")
-    engine_only = args.launcher_args or args.nnodes != 1 or args.node_rank or args.master_port is not None
-    if engine_only and args.launcher not in ENGINES:
-        raise UsageError(f"--launcher-args, --nnodes, --node-rank and --master-port are for --launcher "
-                         f"{', '.join(ENGINES)}, not {args.launcher}")
-
-
 def prepare_cell(shell, magic_fn, line: str, cell: str) -> CellJob:
-    """Parse and check the options, write ``cell.py``, and pick and check what to push."""
+    """Parse and check the options, write ``cell.py``, and pick and check what to push.
+
+    Everything that can be refused is refused here, before any process exists; a refused cell
+    leaves no run dir behind.
+    """
     args = parse_argstring(magic_fn, line)
-    _check_options(args)
     push = _split_names(args.push, "--push")
     pull = _split_names(args.pull, "--pull")
-    env = _parse_env(args.env)
+    options = WorldOptions.from_magic_args(args)
+    options.env = _parse_env(args.env)
+    try:
+        engine = options.check().make_engine()
+    except LaunchConfigError as exc:
+        raise UsageError(str(exc)) from None
     source = CellSource(line, cell)
     run_id = payload.new_run_id()
     run_dir = payload.create_run_dir(run_id, args.run_dir)
+    try:
+        return _write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull)
+    except BaseException:
+        payload.discard_run_dir(run_dir)
+        raise
+
+
+def _write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull) -> CellJob:
     cell_file = os.path.join(run_dir, "cell.py")
     payload.write_private(cell_file, source.text.encode("utf-8"))
     tree = source.parse(cell_file)  # a SyntaxError names cell.py and the editor's line
@@ -107,7 +106,7 @@ def prepare_cell(shell, magic_fn, line: str, cell: str) -> CellJob:
     missing = [n for n in push if n not in user_ns]
     if missing:
         raise UsageError(f"--push: no variable named {', '.join(map(repr, missing))} in the notebook")
-    job = CellJob(args, run_id, run_dir, cell_file, pull=pull, env=env)
+    job = CellJob(args, options, engine, run_id, run_dir, cell_file, pull=pull)
     # Only names the cell reads travel: an unpicklable, unrelated notebook variable never matters.
     for name in sorted(find_read_names(tree) | set(push)):
         if name not in user_ns or (name in hidden and name not in push):
@@ -125,28 +124,18 @@ def prepare_cell(shell, magic_fn, line: str, cell: str) -> CellJob:
 
 def start_cell(shell, job: CellJob):
     """Start the ranks for a prepared cell; ``_dist`` is the Run from now on."""
-    from .run import start_run
+    from .start import start_run
 
-    args = job.args
     rank_args = (job.cell_file, job.pushed, job.modules, job.pull)
-    common = dict(run_id=job.run_id, run_dir=job.run_dir, backend=args.backend, init_process_group=not args.no_init,
-                  timeout=args.timeout, env=job.env, start_method=args.start)
     world = _attached(job)
     if world is not None:  # --nprocs in a kernel that is a rank: each kernel spawns its own ranks
         from .launchers.attach import start_per_kernel
 
-        run, job.channel = start_per_kernel(run_cell, rank_args, {}, world, args.nprocs, **common)
-        shell.user_ns["_dist"] = run
-        return run
-    try:
-        engine = make_engine_launcher(args.launcher, shlex.split(args.launcher_args or ""), nnodes=args.nnodes,
-                                      node_rank=args.node_rank, master_addr=args.master_addr,
-                                      master_port=args.master_port)
-        master_addr = choose_master_addr(engine, args.master_addr)
-    except LaunchConfigError as exc:
-        raise UsageError(str(exc)) from None
-    run = start_run(run_cell, rank_args, {}, nprocs=args.nprocs or default_nprocs(), launcher=engine,
-                    master_addr=master_addr, **common)
+        run, job.channel = start_per_kernel(run_cell, rank_args, {}, world, job.options, run_id=job.run_id,
+                                            run_dir=job.run_dir)
+    else:
+        run = start_run(run_cell, rank_args, {}, job.options, launcher=job.engine, run_id=job.run_id,
+                        run_dir=job.run_dir)
     shell.user_ns["_dist"] = run
     return run
 

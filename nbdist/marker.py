@@ -14,7 +14,6 @@ Readers strip the padding (:func:`read_marker`). Standard library only.
 from __future__ import annotations
 
 import ctypes
-import os
 
 from .payload import RUN_DIR_ENV, RUN_ID_ENV
 

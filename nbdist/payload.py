@@ -25,6 +25,7 @@ __all__ = [
     "RankIdentity",
     "choose_runs_root",
     "create_run_dir",
+    "discard_run_dir",
     "new_run_id",
     "record_running",
     "read_running",
@@ -119,6 +120,13 @@ def create_run_dir(run_id: str, base: str | None = None) -> str:
     os.mkdir(path, 0o700)
     os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask; be exact
     return path
+
+
+def discard_run_dir(run_dir: str) -> None:
+    """Remove the dir of a run that never started (a refused launch leaves nothing behind)."""
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def write_private(path: str, data: bytes) -> None:

@@ -1,7 +1,6 @@
 """Run: one execution of one function on all its ranks, from start to nothing left.
 
-Start-or-close: a run that fails while starting stops whatever it started before the error
-leaves :func:`start_run`. Once started, one monitor thread per run follows the ranks' logs,
+:func:`nbdist.start.start_run` makes a Run (start-or-close). Once started, one monitor thread per run follows the ranks' logs,
 reaps ranks as they exit, tears the rest down when one fails (fail-fast), and enforces the
 timeout. Every stop, whoever asks for it, climbs one ladder (SIGINT, SIGTERM, SIGKILL) against
 one deadline, and ends only when no rank, no child of a rank and no marked process is left.
@@ -19,7 +18,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import threading
 import time
 import weakref
@@ -30,10 +28,10 @@ from .errors import (RankFailure, RunStoppedError, RunTimeoutError, WorkerFailed
                      format_rank_set)
 from .payload import RunSpec
 from .stacks import read_dump
-from .worker import STACK_DUMP_SIGNAL
 from .streams import OutputChunk, RankOutput
+from .worker import STACK_DUMP_SIGNAL
 
-__all__ = ["Run", "RankStatus", "RunEvent", "start_run"]
+__all__ = ["Run", "RankStatus", "RunEvent", "KILL_LADDER", "INTERRUPT_LADDER"]
 
 log = logging.getLogger(__name__)
 
@@ -417,67 +415,6 @@ class Run:
         if not self.done:
             self.interrupt()
         return False
-
-
-def start_run(fn, args, kwargs, *, nprocs, run_id=None, run_dir=None, runs_root=None, backend="auto",
-              dist_url="auto", init_process_group=True, timeout=None, env=None, start_method=None,
-              stop_timeout=5.0, extra=None, on_event=None, launcher=None, master_addr="127.0.0.1",
-              rendezvous=None) -> Run:
-    """Write the run dir, start the ranks with ``launcher`` (spawn by default), return the running Run.
-
-    Start-or-close: if anything fails after the first process exists, everything this call
-    started is stopped before the exception leaves. ``rendezvous``: where the ranks meet when
-    another kernel hosts the store (several kernels, one world).
-    """
-    from .launchers.spawn import SpawnLauncher
-    from .rendezvous import open_rendezvous
-
-    launcher = launcher or SpawnLauncher(start_method=start_method)  # refuses fork after CUDA here
-    run_id = run_id or payload.new_run_id()
-    run_dir = run_dir or payload.create_run_dir(run_id, runs_root)
-    payload.write_payload(run_dir, fn, args, kwargs, extra)
-    world_size = launcher.world_size_for(nprocs)
-    if not init_process_group:
-        rendezvous = None
-    # torchrun's agent hosts the store its ranks meet at; the other launchers meet at the kernel's
-    # (or, given here, at the one that kernel 0 of several hosts).
-    elif rendezvous is None and launcher.hosts_rendezvous:
-        rendezvous = open_rendezvous(dist_url, world_size, host=master_addr)
-    spec = RunSpec(
-        run_id=run_id,
-        nprocs=nprocs,
-        world_size=world_size,
-        node_rank=launcher.node_rank,
-        backend=backend,
-        init_method=(rendezvous.init_method if rendezvous else "env://") if init_process_group else None,
-        master_addr=rendezvous.master_addr if rendezvous else None,
-        master_port=rendezvous.master_port if rendezvous else None,
-        use_agent_store=bool(rendezvous and rendezvous.use_agent_store),
-        parent_pid=os.getpid(),
-        # PDEATHSIG follows the thread that forked: only the main thread lives as long as the kernel.
-        pdeathsig=threading.current_thread() is threading.main_thread(),
-        start_method=getattr(launcher, "start_method", launcher.name),
-        mp_start_method=multiprocessing.get_start_method(allow_none=True),
-    )
-    channel = None
-    if launcher.remote_ranks:
-        from .channel import OutputChannel, new_channel_key
-
-        spec.kernel_host, spec.output_key = socket.gethostname(), new_channel_key()
-        channel = OutputChannel(master_addr, spec.output_key)
-        spec.output_channel = list(channel.address)
-    payload.write_spec(run_dir, spec)
-    run = Run(run_id, run_dir, spec, launcher, rendezvous, timeout, stop_timeout, channel)
-    if on_event is not None:
-        run.subscribe(on_event, replay=False)
-    try:
-        launcher.start(run_dir, run_id, nprocs, {k: str(v) for k, v in (env or {}).items()})
-        run._begin()
-    except BaseException:
-        report = proctree.stop_tree(launcher.leaders(), run_id, KILL_LADDER, timeout=2.0, on_tick=launcher.poll)
-        run._finalize("killed", report, "start failed")
-        raise
-    return run
 
 
 @atexit.register

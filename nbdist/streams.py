@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["LineAssembler", "LogFollower", "OutputChunk", "RankOutput"]
+__all__ = ["LineAssembler", "LogFollower", "OutputChunk", "RankOutput", "skip_note"]
 
 
 @dataclass
@@ -76,13 +76,25 @@ class LineAssembler:
 
 
 class LogFollower:
-    """Follow one growing log file from where it was last read, decoding UTF-8 incrementally."""
+    """Follow one growing log file from where it was last read, decoding UTF-8 incrementally.
 
-    def __init__(self, path: str, max_chunk: int = 1 << 20):
+    A rank can write faster than the kernel reads. When the unread part grows past ``skip_over``
+    bytes, the follower jumps to the last ``keep_tail`` bytes (at a line start) and counts what it
+    jumped over (:meth:`take_skipped`): the view shows the end of the output, which is the part
+    people need (the final loss, the traceback), the kernel's memory stays bounded, and the log
+    file keeps every byte.
+    """
+
+    def __init__(self, path: str, max_chunk: int = 1 << 20, skip_over: int = 8 << 20, keep_tail: int = 256 << 10):
         self.path = path
         self.offset = 0
         self.fed = 0  # bytes that came through feed() rather than the file
         self.max_chunk = max_chunk
+        self.skip_over = skip_over
+        self.keep_tail = keep_tail
+        self.skipped_lines = 0
+        self.skipped_bytes = 0
+        self._unreported: tuple[int, int] | None = None  # (lines, bytes) jumped over since take_skipped()
         self._fh = None
         self._closed = False
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -108,10 +120,47 @@ class LogFollower:
                 self._fh = open(self.path, "rb")
             except FileNotFoundError:
                 return ""
+        size = os.fstat(self._fh.fileno()).st_size
+        if size - self.offset > self.skip_over:
+            self._skip_to_tail(size)
         self._fh.seek(self.offset)
         data = self._fh.read(self.max_chunk)
         self.offset += len(data)
         return self._decoder.decode(data)
+
+    def read_to_end(self) -> str:
+        """Everything left (after a jump to the tail if that is too much): the end of a run."""
+        parts = []
+        while True:
+            text = self.read_new()
+            if not text and (self._fh is None or self.offset >= os.fstat(self._fh.fileno()).st_size):
+                return "".join(parts)
+            parts.append(text)
+
+    def _skip_to_tail(self, size: int) -> None:
+        target = size - self.keep_tail
+        lines = 0
+        self._fh.seek(self.offset)
+        while self._fh.tell() < target:  # count what is skipped, a block at a time (bounded memory)
+            block = self._fh.read(min(1 << 20, target - self._fh.tell()))
+            if not block:
+                break
+            lines += block.count(b"\n")
+        rest = self._fh.readline()  # start the tail at a line start
+        lines += rest.endswith(b"\n")
+        new_offset = target + len(rest)
+        skipped = new_offset - self.offset
+        self.offset = new_offset
+        self._decoder.reset()  # a character cut in two by the jump is not decoded across it
+        self.skipped_lines += lines
+        self.skipped_bytes += skipped
+        old = self._unreported or (0, 0)
+        self._unreported = (old[0] + lines, old[1] + skipped)
+
+    def take_skipped(self) -> tuple[int, int] | None:
+        """``(lines, bytes)`` jumped over since the last call, or None."""
+        out, self._unreported = self._unreported, None
+        return out
 
     def close(self) -> str:
         self._closed = True
@@ -120,6 +169,13 @@ class LogFollower:
             self._fh.close()
             self._fh = None
         return rest
+
+
+def skip_note(skipped: tuple[int, int], path: str) -> str:
+    """The line a view shows where output was skipped, and where the whole of it is."""
+    lines, nbytes = skipped
+    return (f"[nbdist: {lines:,} lines ({nbytes / 2**20:.1f} MiB) skipped here, the rank wrote faster than "
+            f"the kernel reads; every line is in {path}]")
 
 
 class RankOutput:
@@ -143,12 +199,14 @@ class RankOutput:
         chunks = []
         for stream, follower in self._followers.items():
             text = "".join(follower.feed(off, data) for s, off, data in pieces if s == stream)
-            text += follower.read_new()
-            if final:
-                text += follower.read_new() + follower.close()
+            text += follower.read_to_end() + follower.close() if final else follower.read_new()
             asm = self._assemblers[stream]
             before = asm.pending
-            lines = asm.feed(text) if text else []
+            lines = []
+            skipped = follower.take_skipped()
+            if skipped:  # the jump comes before the new text: end the line that was being written first
+                lines += asm.flush() + [skip_note(skipped, follower.path)]
+            lines += asm.feed(text) if text else []
             if final:
                 lines += asm.flush()
             if lines or asm.pending != before:

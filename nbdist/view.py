@@ -23,6 +23,9 @@ __all__ = ["TextView", "WidgetView", "make_view", "format_report_line"]
 
 FLUSH_INTERVAL = 0.1  # at most ~10 updates a second per rank
 MAX_VIEW_LINES = 2000  # per rank; the full log stays in the run dir
+# Lines a view holds between two draws, per rank. Past it the oldest go (counted, and said where
+# they were): a view that can't keep up shows the end of the output, and memory stays bounded.
+MAX_BUFFERED_LINES = 4 * MAX_VIEW_LINES
 
 BADGE_COLOURS = {
     "starting": ("#5f6368", "#eceff1"),
@@ -64,6 +67,7 @@ class _Buffered:
         self._lock = threading.Lock()
         self._lines: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
         self._pending: dict[int, dict[str, str]] = collections.defaultdict(dict)
+        self._dropped: collections.Counter = collections.Counter()
         self._dirty_status = True
         self._ended = threading.Event()
         self._thread = None
@@ -71,7 +75,12 @@ class _Buffered:
     def on_event(self, event) -> None:
         with self._lock:
             if isinstance(event, OutputChunk):
-                self._lines[event.rank].extend((event.stream, line) for line in event.lines)
+                buffered = self._lines[event.rank]
+                buffered.extend((event.stream, line) for line in event.lines)
+                if len(buffered) > MAX_BUFFERED_LINES:
+                    drop = len(buffered) - MAX_BUFFERED_LINES
+                    del buffered[:drop]
+                    self._dropped[event.rank] += drop
                 self._pending[event.rank][event.stream] = event.pending
             elif isinstance(event, RunEvent):
                 self._dirty_status = True
@@ -81,8 +90,12 @@ class _Buffered:
     def take(self):
         with self._lock:
             lines, self._lines = self._lines, collections.defaultdict(list)
+            dropped, self._dropped = self._dropped, collections.Counter()
             pending = {r: dict(p) for r, p in self._pending.items()}
             dirty, self._dirty_status = self._dirty_status, False
+        for rank, n in dropped.items():
+            lines[rank].insert(0, ("stderr", f"[nbdist: {n:,} lines not shown here, the view fell behind; "
+                                             f"%dist_logs or {self.run.run_dir} has them all]"))
         return lines, pending, dirty
 
     def start_flusher(self) -> None:
@@ -147,7 +160,7 @@ class WidgetView(_Buffered):
         self.footer = w.HTML()
         self.kill_button = w.Button(description="Kill", icon="stop", button_style="danger",
                                     tooltip="Stop every rank and its child processes",
-                                    layout=w.Layout(width="80px", height="26px"))
+                                    layout=w.Layout(width="auto", min_width="80px", height="26px"))
         self.kill_button.on_click(self._on_kill)
         note = w.HTML(f"<span style='color:#5f6368;font-size:11px'>view keeps the last {MAX_VIEW_LINES} lines per "
                       f"rank; full logs: <code>{html.escape(run.run_dir)}</code></span>")
@@ -204,7 +217,9 @@ class WidgetView(_Buffered):
             self.badges[r].value = self._badge_html(r)
         self._set_titles()
         if run.done:
+            # The header's badge says how it ended; a dead button (or a "Killing…" forever) would not.
             self.kill_button.disabled = True
+            self.kill_button.layout.display = "none"
             colour = BADGE_COLOURS.get(run.status, ("#333", ""))[0]
             self.footer.value = (f"<div style='color:{colour};font-size:12px;margin-top:4px'>"
                                  f"{html.escape(format_report_line(run))}</div>")

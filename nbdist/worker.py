@@ -300,9 +300,15 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity) -> int:
             payload.write_result(run_dir, identity.rank, None)
             code = 0
         else:
-            info = describe_exception(exc)
-            payload.write_error(run_dir, identity.rank, info)
-            sys.stderr.write(info["traceback"])  # nbdist's frames left out; error.{R}.json has them all
+            # The kernel's fail-fast stop (SIGINT) may come while we write: a rank that failed at
+            # the same moment as another still reports why, so identical errors show as "ranks 1-3".
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                info = describe_exception(exc)
+                payload.write_error(run_dir, identity.rank, info)
+                sys.stderr.write(info["traceback"])  # nbdist's frames left out; error.{R}.json has them all
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     finally:
         _flush_std()

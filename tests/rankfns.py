@@ -148,3 +148,13 @@ class SlowToLoad:
 
 def takes_anything(*args):
     return len(args)
+
+
+def flood(lines=300_000, width=60):
+    """Print ``lines`` numbered lines as fast as a rank can, then one last line."""
+    rank = os.environ["RANK"]
+    pad = "x" * (width - 24)
+    for start in range(0, lines, 10_000):
+        sys.stdout.write("".join(f"rank {rank} line {i:07d} {pad}\n" for i in range(start, min(lines, start + 10_000))))
+    print(f"LAST LINE of rank {rank}", flush=True)
+    return lines

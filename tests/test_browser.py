@@ -203,6 +203,9 @@ def test_kill_button_stops_ranks_and_dataloader_workers(notebook, tmp_path):
     out.get_by_text("killed: 2 ranks and 4 child processes stopped").first.wait_for(timeout=10_000)
     labels = [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
     assert labels == ["all", "■ rank 0", "■ rank 1"], labels
+    # The run is over: the button goes (no "Killing…" left on screen), the header says how it ended.
+    wait_for(lambda: out.get_by_role("button", name="Kill").count() == 0, 10, what="the Kill button to go")
+    out.get_by_text("killed (2 killed)").first.wait_for(timeout=10_000)
     nb.shot("killed")
 
 

@@ -12,6 +12,7 @@ import pytest
 
 import nbdist
 import rankfns
+from nbdist.errors import format_rank_set
 from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 
 # Every test twice: ranks spawned, and ranks forked from the warm template (NBDIST_START_METHOD).
@@ -161,8 +162,10 @@ def test_identical_tracebacks_are_shown_once():
     with pytest.raises(nbdist.WorkerFailedError) as info:
         nbdist.launch(rankfns.same_error_on_ranks_1_up, nprocs=4)
     text = str(info.value)
-    assert info.value.rank in (1, 2, 3) and sorted(info.value.failures) == [1, 2, 3]
-    assert "--- traceback from ranks 1-3 ---" in text, text
+    # Ranks 1-3 raise within milliseconds; on a busy box fail-fast may stop one before it raised.
+    raised = sorted(r for r, f in info.value.failures.items() if f.exc_type == "KeyError")
+    assert info.value.rank in (1, 2, 3) and len(raised) >= 2 and set(raised) <= {1, 2, 3}, info.value.failures
+    assert f"--- traceback from {format_rank_set(raised)} ---" in text, text
     assert text.count("KeyError: 'missing'\n") == 1, text
 
 

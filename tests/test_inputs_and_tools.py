@@ -13,6 +13,7 @@ import pytest
 
 import nbdist
 from nbdist.errors import LaunchConfigError
+from nbdist.options import WorldOptions
 from nbdist.world import detect_world
 from conftest import KEPT_TEMPLATES, ROOT, live_descendants, marked_pids, wait_for
 
@@ -60,13 +61,31 @@ def test_not_callable():
         nbdist.launch(3, nprocs=2)
 
 
-def test_unpicklable_argument_is_named_with_its_type():
+def test_unpicklable_argument_is_named_with_its_type_and_leaves_no_run_dir(tmp_path):
     lock = threading.Lock()
     with pytest.raises(TypeError) as info:
-        nbdist.launch(lambda x, y: 1, 1, y=lock, nprocs=2)
+        nbdist.launch(lambda x, y: 1, 1, y=lock, nprocs=2, run_dir=str(tmp_path))
     text = str(info.value)
     assert "argument 'y'" in text and "_thread.lock" in text and "\n" not in text
     assert not _children()
+    assert os.listdir(tmp_path) == [], "a refused launch leaves no run dir"
+
+
+def test_absurd_nprocs_is_refused_before_anything_exists(tmp_path, monkeypatch):
+    monkeypatch.delenv("NBDIST_MAX_NPROCS", raising=False)
+    before = _children()
+    with pytest.raises(LaunchConfigError) as info:
+        nbdist.launch(lambda: 1, nprocs=10000, run_dir=str(tmp_path))
+    text = str(info.value)
+    assert "nprocs=10000 is more ranks than this machine can sensibly run" in text and "\n" not in text
+    assert "set NBDIST_MAX_NPROCS=10000" in text, "it says how to insist"
+    assert _children() == before and os.listdir(tmp_path) == []
+    # Insisting lifts the limit (checked without starting 10000 processes).
+    monkeypatch.setenv("NBDIST_MAX_NPROCS", "10000")
+    assert WorldOptions(nprocs=10000).check().nprocs == 10000
+    # Engines that place ranks on other machines judge the count themselves.
+    monkeypatch.delenv("NBDIST_MAX_NPROCS")
+    assert WorldOptions(nprocs=10000, launcher="srun").check().nprocs == 10000
 
 
 def test_env_dollar_mpi_without_mpi4py_is_one_clear_line(tmp_path):

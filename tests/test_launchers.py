@@ -19,7 +19,8 @@ import nbdist
 import rankfns
 from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 from nbdist.launchers.mpirun import MpirunLauncher
-from nbdist.run import start_run
+from nbdist.options import WorldOptions
+from nbdist.start import start_run
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)")
@@ -224,7 +225,7 @@ def test_ranks_that_cant_read_the_run_dir_say_so_in_one_line(tmp_path):
         def command(self, run_dir, nprocs):
             return super().command(str(tmp_path / "not-shared" / os.path.basename(run_dir)), nprocs)
 
-    run = start_run(rankfns.rank_sum, (), {}, nprocs=2, launcher=OtherNodeLauncher())
+    run = start_run(rankfns.rank_sum, (), {}, WorldOptions(nprocs=2), launcher=OtherNodeLauncher())
     with pytest.raises(nbdist.WorkerFailedError) as info:
         run.wait(timeout=60)
     assert "is not readable here; put the run dir on a shared path" in str(info.value)

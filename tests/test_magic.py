@@ -158,10 +158,23 @@ def test_bg_returns_at_once_then_wait(kernel):
     assert res.status == "ok" and res.result == "{0: 'slept', 1: 'slept'}"
 
 
+def test_refused_cells_leave_no_run_dir(kernel, tmp_path):
+    spawn_only(kernel)
+    kernel.run("import threading\nlock = threading.Lock()")
+    for cell, says in [("print(lock)", "notebook variable 'lock'"), ("print(1 +)", "SyntaxError"),
+                       ("--push nowhere_defined\n1", "--push: no variable named"),
+                       ("-n 10000\n1", "--nprocs=10000 is more ranks than this machine can sensibly run")]:
+        head, _, body = cell.rpartition("\n") if cell.startswith("-") else ("", "", cell)
+        res = kernel.run(f"%%distributed -n 2 --run-dir {tmp_path} {head}\n{body}")
+        assert res.status == "error" and says in res.error_text + str(res.error), (cell, res.error_text)
+        assert os.listdir(tmp_path) == [], f"{cell!r} left {os.listdir(tmp_path)}"
+    assert not marked_pids()
+
+
 @pytest.mark.parametrize(
     "line, message",
     [
-        ("--nprocs 0", "--nprocs must be at least 1, got 0"),
+        ("--nprocs 0", "--nprocs must be an int >= 1, got 0"),
         ("--nprocs two", "argument -n/--nprocs: invalid int value: 'two'"),
         ("--backend ncl", "--backend must be one of"),
         ("--timeout -1", "--timeout must be a positive number"),

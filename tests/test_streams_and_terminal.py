@@ -54,3 +54,39 @@ def test_terminal_ipython_gets_the_text_view(tmp_path):
     assert text.count("progress") == 2, "each rank's \\r bar is printed once, in its final state"
     assert "[rank 0!] progress 4/4" in text
     assert "finished: 2 ranks" in text
+
+
+def test_a_flood_ends_with_the_last_line_in_view_and_bounded_kernel_memory():
+    """2 ranks print 300,000 lines of 60 characters each, faster than the kernel reads them."""
+    import psutil
+
+    import nbdist
+    import rankfns
+    from nbdist.view import WidgetView
+
+    me = psutil.Process()
+    rss0 = me.memory_info().rss
+    peak = [rss0]
+    run = nbdist.launch(rankfns.flood, nprocs=2, init_process_group=False, join=False)
+    view = WidgetView(run)  # the real widget view (no frontend here: its models still hold the outputs)
+    view.start_flusher()
+    while not run.done:
+        peak[0] = max(peak[0], me.memory_info().rss)
+        run._done.wait(0.05)
+    assert run.wait() == {0: 300_000, 1: 300_000}
+    view._thread.join(10)
+    for rank in (0, 1):
+        with open(os.path.join(run.run_dir, f"rank{rank}.stdout"), "rb") as fh:
+            assert fh.read().count(b"\n") == 300_001, "the log file has every line"
+        out = run.outputs[rank]
+        assert out.lines[-1] == ("stdout", f"LAST LINE of rank {rank}"), "the run's last line is the rank's last line"
+        assert view._shown[rank][-1][1] == f"LAST LINE of rank {rank}", "and the view shows it"
+        notes = [line for _, line in out.lines if line.startswith("[nbdist: ") and "skipped here" in line]
+        skipped = sum(f.skipped_lines for f in out._followers.values())
+        print(f"rank {rank}: {out.total_lines:,} lines read, {skipped:,} skipped in {len(notes)} jumps; "
+              f"view holds {len(view._shown[rank])}")
+        assert skipped > 0 and notes and f"rank{rank}.stdout" in notes[-1], "the jump is said, with the log's path"
+        assert out.total_lines + skipped >= 300_001
+    growth = (peak[0] - rss0) / 2**20
+    print(f"kernel RSS: +{growth:.0f} MiB at peak over {2 * 300_001:,} lines ({2 * 18.3:.0f} MB of output)")
+    assert growth < 150, f"kernel memory grew {growth:.0f} MiB"

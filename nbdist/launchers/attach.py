@@ -251,8 +251,8 @@ def _kernel_channel(world: WorldInfo):
     return comm, world.rank, world.world_size, world.local_world_size
 
 
-def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_process_group=True, **run_kwargs):
-    """Start this kernel's ``nprocs`` ranks of one world made of every kernel of ``world``.
+def start_per_kernel(fn, args, kwargs, world: WorldInfo, options, *, run_id=None, run_dir=None):
+    """Start this kernel's ``options.nprocs`` ranks of one world made of every kernel of ``world``.
 
     Kernel k's ranks are ``k * nprocs + local_rank``. Kernel 0 hosts the store (on loopback when
     every kernel shares its machine) and broadcasts where it is; it keeps the store until
@@ -261,21 +261,21 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, *, init_pr
     ``(run, channel)``.
     """
     from ..rendezvous import Rendezvous, open_rendezvous
-    from ..run import start_run
+    from ..start import start_run
     from .spawn import SpawnLauncher
 
     comm, rank, size, local_size = channel = _kernel_channel(world)
+    nprocs = options.nprocs
     rdzv = None
-    if init_process_group:
+    if options.init_process_group:
         hosted = None
         if rank == 0:
             hosted = open_rendezvous("auto", size * nprocs, host=_node_address(local_size == size))
             _KEEP["hosted"] = hosted.store
         addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
         rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)
-    launcher = SpawnLauncher(start_method=run_kwargs.pop("start_method", None), nnodes=size, node_rank=rank)
-    run = start_run(fn, args, kwargs, nprocs=nprocs, init_process_group=init_process_group,
-                    launcher=launcher, rendezvous=rdzv, **run_kwargs)
+    launcher = SpawnLauncher(start_method=options.start_method, nnodes=size, node_rank=rank)
+    run = start_run(fn, args, kwargs, options, launcher=launcher, rendezvous=rdzv, run_id=run_id, run_dir=run_dir)
     return run, channel
 
 
@@ -303,7 +303,7 @@ def gather_per_kernel(run, channel) -> dict:
     return dict(sorted(results.items()))
 
 
-def run_per_kernel(fn, args, kwargs, world: WorldInfo, nprocs: int, **run_kwargs) -> dict:
-    """Every kernel of ``world`` spawns ``nprocs`` local ranks; every kernel gets every rank's value."""
-    run, channel = start_per_kernel(fn, args, kwargs, world, nprocs, **run_kwargs)
+def run_per_kernel(fn, args, kwargs, world: WorldInfo, options) -> dict:
+    """Every kernel of ``world`` spawns ``options.nprocs`` local ranks; every kernel gets every rank's value."""
+    run, channel = start_per_kernel(fn, args, kwargs, world, options)
     return gather_per_kernel(run, channel)

@@ -151,6 +151,9 @@ class SpawnLauncher:
     def world_size_for(self, nprocs: int) -> int:
         return self.nnodes * nprocs
 
+    def spans_nodes(self) -> bool:
+        return False  # every rank is this kernel's child, on this machine
+
     def __post_init__(self):
         from ..warmstart import choose_start_method
 
