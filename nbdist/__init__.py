@@ -5,14 +5,17 @@ from code. Every run owns its whole process tree and leaves nothing running.
 """
 
 from .api import default_nprocs, kill, launch, ps
-from .errors import LaunchConfigError, RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError
+from .errors import (LaunchConfigError, RankFailure, RunStoppedError, RunTimeoutError, SessionLostError,
+                     WorkerFailedError)
 from .run import Run
+from .session import Session
 from .warmstart import WarmTemplate, warm
 from .world import is_main, rank, world_size
 
 __all__ = [
     "launch",
     "Run",
+    "Session",
     "warm",
     "WarmTemplate",
     "ps",
@@ -24,6 +27,7 @@ __all__ = [
     "WorkerFailedError",
     "RunTimeoutError",
     "RunStoppedError",
+    "SessionLostError",
     "RankFailure",
     "LaunchConfigError",
     "load_ipython_extension",

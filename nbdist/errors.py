@@ -12,6 +12,7 @@ __all__ = [
     "WorkerFailedError",
     "RunTimeoutError",
     "RunStoppedError",
+    "SessionLostError",
     "describe_exitcode",
     "format_rank_set",
 ]
@@ -78,6 +79,8 @@ class RankFailure:
             how = f"raised {self.exc_type}" + (f": {self.message}" if self.message else "")
         else:
             how = f"exited with code {self.exitcode}" + (f": {self.message}" if self.message else "")
+        if self.exitcode is None:  # a session rank that raised lives on: no exit code to tell
+            return f"{how} (pid {self.pid})"
         return f"{how} (pid {self.pid}, exit code {self.exitcode})"
 
 
@@ -223,3 +226,20 @@ class RunStoppedError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         """One line in a notebook: what was stopped and how fast."""
         return [f"{self.status}: {self.report}" if self.report is not None else f"{self.status}"]
+
+
+class SessionLostError(RuntimeError):
+    """A session's ranks are gone: one died, or one could not be brought back from C code.
+
+    The whole tree was stopped and the ranks' state is lost. ``Session.restart()`` (or
+    ``%dist_restart``) brings up new ranks. ``cause`` is the session run's own error, naming the
+    rank that died and how, when there is one.
+    """
+
+    def __init__(self, reason: str, cause=None):
+        self.reason = reason
+        self.cause = cause
+        super().__init__(reason)
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mSessionLostError\x1b[0m: {self.reason}"]

@@ -115,6 +115,17 @@ def _watch_parent(parent_pid: int, interval: float) -> None:
     # needs no signal delivery and works while the main thread sits in a C call without the GIL.
     # The stack dump is for the main thread to take, so the dump's "current thread" is the rank's own.
     signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):  # an old kernel: look every ``interval`` instead
+        pidfd = None
+    if pidfd is not None:
+        import select
+
+        # Blocks until the parent exits: no wake-ups at all while a session rank idles for hours.
+        if os.getppid() == parent_pid:  # (it may have died, and its pid been reused, before the open)
+            select.select([pidfd], [], [])
+        _kill_own_group()
     while True:
         if os.getppid() != parent_pid:
             _kill_own_group()

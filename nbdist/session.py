@@ -1,0 +1,405 @@
+"""Sessions: ranks that live across cells, keep their namespace and process group, take a cell in milliseconds.
+
+A session's ranks are one long-lived :class:`nbdist.run.Run` whose payload is the cell loop of
+:mod:`nbdist.session_rank`. Everything a run guarantees holds for them as it is: each rank in its
+own process group, death with the kernel, the marker that ``nbdist.ps()`` finds, complete log
+files, and a rank that *dies* takes the whole tree down (the session is then "broken").
+
+Two levels, and every step knows which it is in:
+
+* *cell* level (:mod:`nbdist.session_cell`): a cell finishes, fails or is interrupted; the ranks
+  go back to idle with their namespaces kept.
+* *session* level: a rank that died, or can't be brought back from C code within a few seconds,
+  ends the session and its whole tree; its state is lost and the next cell says so.
+
+The channel that carries cells is code execution: ``multiprocessing.connection`` with a
+per-session key (a 0600 file in the 0700 run dir), listening on loopback unless the world
+options ask for another address.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import secrets
+import signal
+import threading
+import time
+import weakref
+from multiprocessing.connection import Listener, wait
+
+from . import payload
+from .errors import LaunchConfigError, SessionLostError, format_rank_set
+from .options import WorldOptions
+from .session_cell import CellHandle
+from .session_rank import SESSION_KEY_FILE, count_collectives, get_name, serve_session, set_names, set_nodelay
+
+__all__ = ["Session"]
+
+STUCK_AFTER_S = 3.0  # a rank that doesn't answer the stop button within this is stuck in C code
+# After a peer raised, the others are released sooner: the error must show within about 2 s.
+RELEASE_AFTER_S = 1.2
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+class Session:
+    """Ranks that stay alive between cells, each with its namespace and its process group.
+
+    Parameters are :func:`nbdist.launch`'s world options. The ranks start in the background
+    (forked from the warm template when it is ready); the constructor returns at once.
+
+    Attributes
+    ----------
+    status : str
+        "starting", "idle", "busy", "broken" or "closed".
+    session_id, run_dir : str
+        The marker of every process of the session, and its record (logs, cells).
+
+    Examples
+    --------
+    >>> s = nbdist.Session(nprocs=4)
+    >>> s.execute("import torch, torch.distributed as dist\\nmodel = torch.nn.Linear(4, 1)")
+    >>> s.run(lambda: dist.get_rank())
+    {0: 0, 1: 1, 2: 2, 3: 3}
+    >>> s.execute("model.weight.shape")     # the model is still there
+    >>> s.close()
+    """
+
+    def __init__(self, nprocs=None, launcher="auto", backend="auto", env=None, run_dir=None, launcher_args=None,
+                 nnodes=1, node_rank=0, master_addr=None, master_port=None, start_method=None):
+        self.options = WorldOptions(nprocs=nprocs, launcher=launcher, backend=backend, env=env, run_dir=run_dir,
+                                    launcher_args=launcher_args, nnodes=nnodes, node_rank=node_rank,
+                                    master_addr=master_addr, master_port=master_port,
+                                    start_method=start_method).check()
+        if launcher == "attach":
+            raise LaunchConfigError("an attached kernel already is a persistent rank: run cells in it directly")
+        self._lock = threading.RLock()
+        self._start()
+        _LIVE.add(self)
+
+    # ---- session level: start, lose, close -------------------------------------------------
+    def _start(self) -> None:
+        from .launchers import choose_master_addr
+
+        engine = self.options.make_engine()
+        self.status, self.lost_reason = "starting", None
+        self._conns: dict[int, object] = {}
+        self._pids: dict[int, int] = {}
+        self._active: CellHandle | None = None
+        self._cells = 0
+        self._ready = threading.Event()
+        self.session_id = payload.new_run_id()
+        self.run_dir = payload.create_run_dir(self.session_id, self.options.run_dir)
+        key = secrets.token_bytes(32)
+        payload.write_private(os.path.join(self.run_dir, SESSION_KEY_FILE), key)
+        self._listener = Listener((choose_master_addr(engine, self.options.master_addr), 0), authkey=key)
+        self.address = self._listener.address  # where the ranks connected (nothing listens once all are in)
+        self.nprocs = self.options.resolved_nprocs()
+        self.rank_run = None
+        self._launched = threading.Event()
+        # Starting processes takes a while with spawn (each child must read its bootstrap): the
+        # constructor returns at once, and a cell sent meanwhile waits for the ranks.
+        threading.Thread(target=self._bring_up, args=(engine,), name=f"nbdist-session-{self.session_id}",
+                         daemon=True).start()
+
+    def _bring_up(self, engine) -> None:
+        from .start import start_run
+
+        try:
+            self.rank_run = start_run(serve_session, (self.run_dir, self.address), {}, self.options,
+                                      launcher=engine, run_id=self.session_id, run_dir=self.run_dir)
+        except BaseException as exc:  # start-or-close already stopped what it started
+            with self._lock:
+                self.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
+                if self.status != "closed":
+                    self.status = "broken"
+            self._listener.close()
+            self._ready.set()
+            return
+        finally:
+            self._launched.set()
+        self.rank_run.subscribe(self._on_run_event)  # replayed: a run that ended already is seen too
+        self._accept_ranks()
+
+    def _accept_ranks(self) -> None:
+        """Take each rank's hello (a client with the wrong key is refused and ignored), then read their replies."""
+        while len(self._conns) < self.nprocs and self.status == "starting":
+            try:
+                conn = self._listener.accept()
+                _, rank, pid = conn.recv()
+            except Exception:  # an authentication failure, a client that went away, or our own close
+                if self.status != "starting":
+                    return
+                continue
+            set_nodelay(conn)
+            self._conns[rank], self._pids[rank] = conn, pid
+        self._listener.close()  # nothing more may connect
+        with self._lock:
+            if self.status == "starting":
+                self.status = "idle"
+        self._ready.set()
+        self._read_replies()
+
+    def _wake_listener(self) -> None:
+        """Unblock a pending accept(): closing the socket alone does not wake it on Linux."""
+        import socket
+
+        sock = getattr(getattr(self._listener, "_listener", None), "_socket", None)
+        with contextlib.suppress(OSError):
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
+    def _read_replies(self) -> None:
+        """The ranks' answers; no polling: blocks until one writes or goes away."""
+        conns = {id(c): r for r, c in self._conns.items()}
+        live = list(self._conns.values())
+        while live and self.status not in ("broken", "closed"):
+            for conn in wait(live):
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    live.remove(conn)  # that rank exited: the session run's monitor says why
+                    continue
+                self._on_reply(conns[id(conn)], message)
+
+    def _on_reply(self, rank: int, message) -> None:
+        cell = self._active
+        if cell is None or message[2] != cell.cell_id:
+            return
+        if message[0] == "started":
+            cell.record_start(rank, message[3])
+            return
+        _, _, _, kind, body, offsets = message
+        last = cell.record_done(rank, kind, body, offsets, self._pids.get(rank))
+        if last:
+            self._settle(cell)
+        elif kind == "failed":
+            # Its peers may wait for it in a collective: release them as the stop button would.
+            threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_S), daemon=True).start()
+
+    def _settle(self, cell: CellHandle) -> None:
+        self.rank_run._pump_output()  # the cell's output is in the logs before the cell says it is done
+        with self._lock:  # idle before the cell says it is done: the caller's next cell must find it so
+            if self.status == "busy" and self._active is cell:
+                self.status = "idle"
+        cell.finish()
+
+    def _on_run_event(self, event) -> None:
+        """The session run ended by itself: a rank died, and the run took the whole tree down."""
+        from .run import TERMINAL, RunEvent
+
+        if not isinstance(event, RunEvent) or event.rank is not None or event.status not in TERMINAL:
+            return
+        with self._lock:
+            if self.status == "closed":
+                return
+            if self.lost_reason is None:
+                error = self.rank_run.error
+                why = error.summary() if hasattr(error, "summary") else f"its ranks ended ({event.status})"
+                self.lost_reason = f"the session was lost: {why}; its state is gone; restart() brings new ranks"
+            self.status = "broken"
+        self._ready.set()
+        self._wake_listener()
+        if self._active is not None:
+            self._active.lose(SessionLostError(self.lost_reason, self.rank_run.error))
+
+    def _lose(self, reason: str) -> None:
+        """Stop the session, whole tree, because a rank can't be brought back."""
+        with self._lock:
+            self.lost_reason = reason
+        self.rank_run.kill()  # -> _on_run_event: broken, the active cell lost
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the session: ranks leave their loop (atexit handlers run), then the tree is stopped."""
+        with self._lock:
+            if self.status == "closed":
+                return
+            was = self.status
+            self.status = "closed"
+        self._ready.set()
+        self._wake_listener()
+        self._launched.wait()
+        if self.rank_run is None:  # it never started
+            _LIVE.discard(self)
+            return
+        if was in ("idle", "busy"):
+            for conn in list(self._conns.values()):
+                with contextlib.suppress(OSError):
+                    conn.send(("close",))
+            if was == "busy":  # the cell is interrupted first; the ranks then read "close"
+                for rank in self._active.busy_ranks():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self._pids[rank], signal.SIGINT)
+            with contextlib.suppress(Exception):
+                self.rank_run.wait(timeout)
+        if not self.rank_run.done:
+            self.rank_run.kill()
+        for conn in list(self._conns.values()):
+            conn.close()
+        if self._active is not None:
+            self._active.lose(SessionLostError("the session was closed"))
+        _LIVE.discard(self)
+
+    def restart(self) -> None:
+        """Close the session (or what is left of it) and start new ranks with the same options."""
+        self.close()
+        self._start()
+        _LIVE.add(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self) -> str:
+        return f"<nbdist.Session {self.session_id} {self.status} nprocs={self.nprocs}>"
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def pids(self) -> dict[int, int]:
+        """rank -> pid of each rank that said hello."""
+        return dict(sorted(self._pids.items()))
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every rank is up (True; False on ``timeout``); raise SessionLostError if it can't serve."""
+        if not self._ready.wait(timeout):
+            return False
+        if self.status == "broken":
+            raise SessionLostError(self.lost_reason)
+        if self.status == "closed":
+            raise SessionLostError("the session was closed; restart() starts it again")
+        return True
+
+    # ---- cell level --------------------------------------------------------------------------
+    def run(self, fn, *args, ranks=None, timeout=None, join=True, **kwargs):
+        """Run ``fn(*args, **kwargs)`` on the session's ranks (or ``ranks``); return ``{rank: value}``.
+
+        Raises WorkerFailedError (the rank that raised first, with its traceback) when a rank
+        raised; the ranks are then idle again with their state kept. ``join=False`` returns the
+        :class:`~nbdist.session_cell.CellHandle`. ``timeout`` interrupts the cell when it expires.
+        """
+        cell = self._submit(lambda cell_dir: payload.write_payload(cell_dir, fn, args, kwargs), ranks, timeout)
+        return cell if not join else cell.wait()
+
+    def execute(self, code: str, ranks=None, timeout=None, join=True):
+        """Run source text on the ranks, in their ``__main__``: its last expression is each rank's value."""
+        import ast
+
+        from .cell import run_cell
+
+        def write(cell_dir):
+            cell_file = os.path.join(cell_dir, "cell.py")
+            text = code if code.endswith("\n") else code + "\n"
+            ast.parse(text, filename=cell_file)  # a SyntaxError names the line before anything runs
+            payload.write_private(cell_file, text.encode("utf-8"))  # tracebacks show the code's own lines
+            payload.write_payload(cell_dir, run_cell, (cell_file, {}, {}, []), {})
+
+        cell = self._submit(write, ranks, timeout)
+        return cell if not join else cell.wait()
+
+    def push(self, ranks=None, **values) -> None:
+        """Set ``values`` as names in each rank's namespace."""
+        self.run(set_names, values, ranks=ranks)
+
+    def pull(self, name: str, ranks=None) -> dict:
+        """``{rank: value}`` of ``name`` in each rank's namespace."""
+        return self.run(get_name, name, ranks=ranks)
+
+    def check_in_step(self, cell: CellHandle) -> None:
+        """After a cell that ended abnormally (a rank raised or was interrupted), make sure no rank
+        left a collective that its peers did not issue; if one did, the process group is out of step
+        and every later collective could hang or sum the wrong tensors: the session is stopped, said.
+        Called once per cell, before its result is given (and before the next cell)."""
+        if cell.checked or cell.status not in ("failed", "interrupted") or self.status != "idle":
+            cell.checked = True
+            return
+        cell.checked = True
+        counts = self._submit(lambda d: payload.write_payload(d, count_collectives, (), {}), None, None,
+                              check=False).wait(30)
+        if len(set(counts.values())) > 1:
+            where = ", ".join(f"rank {r} after {n}" for r, n in sorted(counts.items()))
+            self._lose(f"the session was stopped: the {cell.status} cell left its ranks at different collectives "
+                       f"({where}), so the process group is out of step and the next collective could hang or "
+                       f"give wrong results; the state is lost; restart() brings new ranks")
+            cell.lose(SessionLostError(self.lost_reason), replace=True)
+
+    def _submit(self, write, ranks, timeout, check=True) -> CellHandle:
+        self.wait_ready()  # a cell sent while the session starts waits for it
+        if check and self._active is not None and self._active.done:
+            self.check_in_step(self._active)
+            self.wait_ready()
+        targets = sorted(self._conns) if ranks is None else sorted(set(ranks))
+        unknown = [r for r in targets if r not in self._conns]
+        if unknown or not targets:
+            raise LaunchConfigError(f"ranks must be a subset of {format_rank_set(self._conns)}, got {ranks!r}")
+        with self._lock:
+            if self.status == "busy":
+                raise RuntimeError(f"cell {self._active.cell_id} is still running in this session; "
+                                   "wait for it or interrupt it")
+            self._cells += 1
+            cell_dir = os.path.join(self.run_dir, "cells", f"{self._cells:04d}")
+            os.makedirs(cell_dir, mode=0o700)
+            try:
+                write(cell_dir)
+            except BaseException:
+                payload.discard_run_dir(cell_dir)
+                raise
+            cell = self._active = CellHandle(self, self._cells, targets, cell_dir)
+            self.status = "busy"
+        for rank in targets:
+            self._conns[rank].send(("cell", cell.cell_id, cell_dir))
+        if timeout is not None:
+            timer = threading.Timer(timeout, self.interrupt_cell, args=(cell,))
+            timer.daemon = True
+            timer.start()
+        return cell
+
+    def interrupt(self) -> None:
+        """The stop button: interrupt the running cell, if any; the ranks keep their state."""
+        if self._active is not None and not self._active.done:
+            self.interrupt_cell(self._active)
+
+    def interrupt_cell(self, cell: CellHandle, grace: float = STUCK_AFTER_S) -> None:
+        """SIGINT to every busy rank (through the OS, not the busy loop); stuck ones end the session."""
+        busy = cell.busy_ranks()
+        for rank in busy:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pids[rank], signal.SIGINT)
+        if cell._done.wait(grace) or not busy:
+            return
+        stuck = cell.busy_ranks()
+        if not stuck or self.status in ("broken", "closed"):
+            return
+        where = self._dump_stacks(stuck)
+        self._lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
+                   f"{grace:g} s (stuck in C code{where}, e.g. a collective whose peers will not come); "
+                   f"their state is lost; restart() brings new ranks")
+
+    def _dump_stacks(self, ranks) -> str:
+        """Each stuck rank's stack into its log (as a timeout does); where the first one stood."""
+        from .stacks import read_dump
+        from .worker import STACK_DUMP_SIGNAL
+
+        paths = {r: payload.log_path(self.run_dir, r, "stderr") for r in ranks}
+        sizes = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
+        for rank in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pids[rank], STACK_DUMP_SIGNAL)
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            dump = read_dump(paths[ranks[0]], sizes[ranks[0]])
+            if dump is not None:
+                return f", {dump.where}; stacks in the rank logs"
+            time.sleep(0.05)
+        return ""
+
+
+@atexit.register
+def _close_live_sessions() -> None:
+    for session in list(_LIVE):
+        with contextlib.suppress(Exception):
+            session.close(timeout=2.0)

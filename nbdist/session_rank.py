@@ -1,0 +1,153 @@
+"""The rank side of a session: one turn of "run a payload" becomes a loop that waits for cells.
+
+A session rank starts as any rank does (own group, parent watch, fd capture, env, device,
+process group: :mod:`nbdist.worker` did all that before this payload runs), then connects to
+the kernel's session channel (authenticated ``multiprocessing.connection``, the key in the
+session's 0600 ``session.key``) and serves cells until the kernel says "close" or goes away.
+
+Cells run in the rank's ``__main__``, which lives as long as the rank: what a cell defines is
+there for the next one. The stop button reaches a busy rank as SIGINT from the operating system,
+never through this loop (which is busy running the cell): SIGINT is let through only while user
+code runs, so it interrupts that code and nothing else. One that comes while the rank is idle or
+reporting is dropped. Waiting for the next cell is a blocking read: an idle rank uses no CPU.
+Standard library plus payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Client
+
+from . import payload
+
+__all__ = ["serve_session", "set_nodelay", "SESSION_KEY_FILE", "load_value", "set_names", "get_name", "count_collectives"]
+
+SESSION_KEY_FILE = "session.key"
+
+
+def _read_key(session_dir: str) -> bytes:
+    with open(os.path.join(session_dir, SESSION_KEY_FILE), "rb") as fh:
+        return fh.read()
+
+
+def set_nodelay(conn) -> None:
+    """No Nagle on a cell channel: a reply of a few bytes must not wait 40 ms for an ACK."""
+    import socket
+
+    with contextlib.suppress(OSError):
+        sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a dup of the same socket
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        finally:
+            sock.close()
+
+
+def _log_offsets() -> tuple[int, int]:
+    """Where this rank's stdout and stderr logs end now: a cell's output starts or ends there."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return os.fstat(1).st_size, os.fstat(2).st_size
+
+
+_IN_USER_CODE = False
+
+
+def _on_sigint(signum, frame):
+    """The stop button interrupts the user's code and nothing else: one that comes while the rank
+    waits for a cell or reports one is dropped (the kernel only sends it to busy ranks)."""
+    if _IN_USER_CODE:
+        raise KeyboardInterrupt
+
+
+def _run_one(cell_dir: str, rank: int):
+    """Run the cell's payload, interruptible; return ``(kind, body)`` for the kernel."""
+    global _IN_USER_CODE
+    from .worker import describe_exception
+
+    fn, args, kwargs, _extra = payload.read_payload(cell_dir)
+    try:
+        try:
+            _IN_USER_CODE = True
+            value = fn(*args, **kwargs)
+        finally:
+            _IN_USER_CODE = False
+    except KeyboardInterrupt:
+        _IN_USER_CODE = False  # the handler may have run before the finally's first line
+        return "interrupted", None
+    except BaseException as exc:  # SystemExit too: the rank lives on, the cell failed
+        _IN_USER_CODE = False
+        info = describe_exception(exc)
+        sys.stderr.write(info["traceback"])
+        return "failed", info
+    try:
+        return "finished", payload.dump_pickle_checked(value, f"the value of the cell on rank {rank}")
+    except TypeError as exc:
+        return "failed", describe_exception(exc)
+
+
+def serve_session(session_dir: str, address) -> None:
+    """The session loop of one rank: connect, say hello, run cells until "close" or end-of-file."""
+    global _IN_USER_CODE
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
+    conn = Client(tuple(address), authkey=_read_key(session_dir))
+    set_nodelay(conn)
+    conn.send(("hello", rank, os.getpid()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the kernel closed the session (or died: the parent watch ends us anyway)
+        if message[0] == "close":
+            return
+        _, cell_id, cell_dir = message
+        start = _log_offsets()
+        conn.send(("started", rank, cell_id, start))
+        try:
+            kind, body = _run_one(cell_dir, rank)
+        except KeyboardInterrupt:  # a second stop within microseconds of the first
+            _IN_USER_CODE = False
+            kind, body = "interrupted", None
+        except BaseException as exc:  # the payload itself could not be read: the cell failed here
+            from .worker import describe_exception
+
+            kind, body = "failed", describe_exception(exc)
+        conn.send(("done", rank, cell_id, kind, body, _log_offsets()))
+
+
+def load_value(blob: bytes):
+    """A value a rank sent (pickled by :func:`_run_one`)."""
+    return pickle.loads(blob)
+
+
+def set_names(values: dict) -> None:
+    """Run on ranks by ``Session.push``: the values become names of the rank's ``__main__``."""
+    sys.modules["__main__"].__dict__.update(values)
+
+
+def count_collectives():
+    """How many collectives this rank's default process group has issued (None without one).
+
+    After an interrupted or failed cell, equal counts on every rank mean that no rank left a
+    collective its peers did not issue: the group is still in step.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+
+
+def get_name(name: str):
+    """Run on ranks by ``Session.pull``: a name of the rank's ``__main__``."""
+    main = sys.modules["__main__"].__dict__
+    if name not in main:
+        raise NameError(f"name {name!r} is not defined on this rank")
+    return main[name]

@@ -1,0 +1,221 @@
+"""Sessions through ``nbdist.Session``: ranks that live across cells, on real gloo ranks.
+
+Every test runs with ranks spawned and with ranks forked from the warm template. The leak
+fixture checks that nothing of a session outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import time
+
+import psutil
+import pytest
+
+import nbdist
+from conftest import marked_pids, wait_for
+from nbdist.errors import RunStoppedError, SessionLostError, WorkerFailedError
+
+pytestmark = pytest.mark.usefixtures("start_method")
+
+DDP_MODEL = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(dist.get_rank())
+X = torch.randn(64, 8, generator=g)
+Y = X.sum(1, keepdim=True)
+def step():
+    opt.zero_grad()
+    loss = ((model(X) - Y) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+"""
+
+
+@pytest.fixture
+def session():
+    s = nbdist.Session(nprocs=2)
+    try:
+        assert s.wait_ready(120)
+        yield s
+    finally:
+        s.close()
+
+
+def test_state_lives_across_cells_a_ddp_model_trains_over_three(session):
+    assert session.status == "idle" and set(session.pids) == {0, 1}
+    session.execute(DDP_MODEL)
+    last = []
+    for _ in range(3):
+        losses = session.execute("[step() for _ in range(15)][-1]")
+        assert losses[0] != losses[1], "each rank has its own data"
+        last.append(losses[0])
+    assert last[0] > last[1] > last[2], f"the same model keeps training: {last}"
+    weights = session.execute("round(model.module.weight.sum().item(), 6)")
+    assert weights[0] == weights[1], "DDP kept the replicas in step"
+    t0 = time.monotonic()
+    assert session.run(lambda: 1) == {0: 1, 1: 1}
+    print(f"trivial session cell: {(time.monotonic() - t0) * 1e3:.1f} ms")
+
+
+def test_ranks_push_pull_and_the_others_stay_idle(session):
+    session.push(base=10)
+    assert session.execute("import os\nseen = base + int(os.environ['RANK'])\nseen", ranks=[1]) == {1: 11}
+    assert session.pull("seen", ranks=[1]) == {1: 11}
+    with pytest.raises(WorkerFailedError, match="name 'seen' is not defined"):
+        session.pull("seen", ranks=[0])  # rank 0 never ran that cell
+    assert session.run(lambda a, b=0: a + b, 1, b=2) == {0: 3, 1: 3}
+    with pytest.raises(nbdist.LaunchConfigError, match="ranks must be a subset of ranks 0-1"):
+        session.run(lambda: 1, ranks=[5])
+
+
+def test_a_raising_cell_names_its_line_and_the_ranks_stay_idle_with_their_state(session):
+    session.execute("kept = 'still here'")
+    with pytest.raises(WorkerFailedError) as info:
+        session.execute("import os\n\ndef load(rank):\n    raise FileNotFoundError(f'shard-{rank}')\nload(int(os.environ['RANK']))")
+    err = info.value
+    assert err.rank in (0, 1) and err.failures[err.rank].exc_type == "FileNotFoundError"
+    assert 'cell.py", line 5' in str(err) and 'cell.py", line 4' in str(err), str(err)
+    assert session.status == "idle"
+    assert session.execute("kept") == {0: "still here", 1: "still here"}
+
+
+def test_interrupt_a_python_loop_keeps_the_namespace(session):
+    session.execute("import time\nmodel_state = {'step': 0}")
+    cell = session.execute("while True:\n    model_state['step'] += 1\n    time.sleep(0.001)", join=False)
+    wait_for(lambda: len(cell.offsets) == 2, 30, what="the cell to start on both ranks")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    cell.interrupt()
+    took = time.monotonic() - t0
+    with pytest.raises(RunStoppedError, match="interrupted: ranks 0-1 idle again, their state kept"):
+        cell.wait()
+    print(f"stop button -> idle ranks: {took * 1e3:.0f} ms")
+    assert took < 2.0 and session.status == "idle"
+    steps = session.execute("model_state['step']")
+    assert all(v > 10 for v in steps.values()), steps
+    assert session.execute("model_state['step'] > 0") == {0: True, 1: True}
+
+
+ALL_REDUCE = "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt.item()"
+
+
+def _still_correct_or_said_lost(session, err) -> str:
+    """After an abnormal cell: either the ranks are in step (a collective sums right, the old model
+    trains on), or the session was stopped and said so. Never a hang, never a wrong sum."""
+    if session.status == "idle":
+        assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
+        return "state kept"
+    assert session.status == "broken" and isinstance(err, (SessionLostError, WorkerFailedError)), err
+    assert ("could not be brought back" in str(err) or "out of step" in str(err)) and "restart()" in str(err), str(err)
+    wait_for(lambda: not marked_pids(session.session_id), 5, what="the lost session's tree to be gone")
+    with pytest.raises(SessionLostError, match="restart"):
+        session.execute("1")
+    session.restart()
+    assert session.execute("import torch, torch.distributed as dist\n" + ALL_REDUCE) == {0: 3.0, 1: 3.0}
+    return "session stopped, said, restarted"
+
+
+def test_a_rank_that_raises_while_its_peers_wait_in_a_collective_does_not_hang(session):
+    session.execute("import torch, torch.distributed as dist")
+    cell = "if dist.get_rank() == 1:\n    raise ValueError('bad shard')\ndist.barrier()"
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        session.execute(cell)
+    took = time.monotonic() - t0
+    err = info.value
+    assert err.rank == 1 and "ValueError: bad shard" in str(err) and 'cell.py", line 2' in str(err), str(err)
+    assert took < 4.0
+    outcome = _still_correct_or_said_lost(session, err)
+    print(f"raise with a peer in a collective -> error in {took:.2f} s; then: {outcome}")
+
+
+def test_interrupt_a_ddp_training_loop_never_leaves_a_hang_or_a_wrong_sum(session):
+    session.execute(DDP_MODEL)
+    before = session.execute("step()")
+    cell = session.execute("n = 0\nwhile True:\n    step()\n    n += 1", join=False)
+    wait_for(lambda: len(cell.offsets) == 2, 30, what="training to start")
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    cell.interrupt()
+    with pytest.raises((RunStoppedError, SessionLostError)) as info:
+        cell.wait(30)
+    took = time.monotonic() - t0
+    outcome = _still_correct_or_said_lost(session, info.value)
+    if outcome == "state kept":
+        after = session.execute("[step() for _ in range(5)][-1]")
+        assert after[0] < before[0], "the same DDP model trains on"
+        weights = session.execute("round(model.module.weight.sum().item(), 6)")
+        assert weights[0] == weights[1]
+    print(f"stop button in a DDP loop -> answered in {took:.2f} s; then: {outcome}")
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "os._exit"])
+def test_a_dying_rank_breaks_the_session_and_takes_its_tree_down(session, how):
+    old = session.session_id
+    kill = "os.kill(os.getpid(), 9)" if how == "SIGKILL" else "os._exit(3)"
+    with pytest.raises(SessionLostError) as info:
+        session.execute(f"import os, time\nif os.environ['RANK'] == '1':\n    {kill}\ntime.sleep(60)")
+    text = str(info.value)
+    assert "rank 1" in text and ("SIGKILL" in text if how == "SIGKILL" else "code 3" in text), text
+    assert session.status == "broken"
+    wait_for(lambda: not marked_pids(old), 3, what="the rest of the session's tree to go")
+    with pytest.raises(SessionLostError, match="the session was lost.*restart"):
+        session.run(lambda: 1)
+
+
+def test_idle_ranks_use_no_cpu_and_the_channel_is_private(session):
+    session.execute("import torch\nx = torch.ones(1)")
+    procs = [psutil.Process(pid) for pid in session.pids.values()]
+    time.sleep(0.5)  # the cell's own end (flushes, the reply) is not idle time
+    before = [sum(p.cpu_times()[:2]) for p in procs]
+    time.sleep(2.0)
+    used = [sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before)]
+    print(f"idle session ranks: {used} CPU-seconds over 2 s")
+    assert all(u < 0.03 for u in used), f"an idle rank woke up: {used} CPU-seconds in 2 s"
+    host, port = session.address
+    assert host == "127.0.0.1"
+    key = os.path.join(session.run_dir, "session.key")
+    assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    with pytest.raises(OSError):  # every rank is in: nothing listens any more
+        socket.create_connection((host, port), timeout=2).close()
+
+
+def test_close_and_parent_death_leave_nothing(run_script, tmp_path):
+    with nbdist.Session(nprocs=2) as s:
+        s.wait_ready(120)
+        sid = s.session_id
+        assert len(marked_pids(sid)) >= 2
+    assert s.status == "closed" and not marked_pids(sid)
+    proc = run_script(
+        """
+        import nbdist, sys
+        s = nbdist.Session(nprocs=2)
+        s.wait_ready(120)
+        s.execute("import torch, time\\n"
+                  "class Slow(torch.utils.data.Dataset):\\n"
+                  "    def __len__(self): return 10**6\\n"
+                  "    def __getitem__(self, i):\\n"
+                  "        time.sleep(0.05)\\n"
+                  "        return i\\n"
+                  "it = iter(torch.utils.data.DataLoader(Slow(), num_workers=2))\\n"
+                  "next(it)")
+        print("SESSION", s.session_id, flush=True)
+        import time
+        time.sleep(600)
+        """
+    )
+    sid = proc.stdout.readline().split()[1]
+    assert len(marked_pids(sid)) >= 6, "2 ranks, each with 2 DataLoader workers"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    wait_for(lambda: not marked_pids(sid), 3.0, what="the session's ranks and their workers to die with the kernel")
+    print(f"kernel SIGKILL -> session gone in {time.monotonic() - t0:.2f} s")
