@@ -1,6 +1,6 @@
 """Warm start against the baselines, measured in the same run.
 
-    .venv/bin/pip install accelerate        # the notebook_launcher baseline
+    .venv/bin/pip install -e '.[bench]'      # accelerate: the notebook_launcher baseline
     .venv/bin/python benchmarks/bench_warm.py [--repeat 5] [--nprocs 4]
 
 Through a real kernel (jupyter_client): a fresh ``%%distributed -n 4`` cell with one all_reduce on

@@ -13,10 +13,10 @@ cancels the wait, which stops the run. Terminal IPython runs the same steps sync
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 import os
 import re
-import time
 import types
 from dataclasses import dataclass, field
 
@@ -220,11 +220,25 @@ def run_cell_sync(shell, line: str, cell: str):
     try:
         while not run.done:
             view.flush()
-            time.sleep(FLUSH_INTERVAL)
+            run._done.wait(FLUSH_INTERVAL)  # wakes the moment the run ends, not at the next tick
     except KeyboardInterrupt:
         _stop_and_raise(run, view)
     view.flush(final=True)
     return finish_cell(shell, job, run)
+
+
+def _ended_event(run) -> asyncio.Event:
+    """An asyncio event of this loop that the run's monitor thread sets when the run ends."""
+    from .run import TERMINAL, RunEvent
+
+    loop, ended = asyncio.get_running_loop(), asyncio.Event()
+
+    def on_event(event):
+        if isinstance(event, RunEvent) and event.rank is None and event.status in TERMINAL:
+            loop.call_soon_threadsafe(ended.set)
+
+    run.subscribe(on_event)  # replayed: a run that already ended sets it at once
+    return ended
 
 
 async def run_cell_async(line: str, cell: str):
@@ -235,10 +249,13 @@ async def run_cell_async(line: str, cell: str):
     job, run, view = _launch_cell(shell, line, cell)
     if run is None or job.args.bg:
         return view if run is None else None
+    ended = _ended_event(run)
     try:
         while not run.done:
             view.flush()
-            await asyncio.sleep(FLUSH_INTERVAL)
+            # Wake the moment the run ends (a warm cell takes tens of ms), else draw every tick.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), FLUSH_INTERVAL)
     except (asyncio.CancelledError, KeyboardInterrupt):
         # The stop button: ipykernel cancels an awaiting cell instead of raising KeyboardInterrupt.
         _stop_and_raise(run, view)

@@ -66,6 +66,24 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
     return failed, refusal
 
 
+def _skip_exit_finalizers() -> None:
+    """Don't let a forked rank spend 40 ms at exit unregistering torch's operator libraries.
+
+    A warm rank leaves through ``os._exit`` after the user's atexit handlers (see
+    :func:`nbdist.worker._leave_forked_rank`); torch's ``weakref.finalize`` hooks that reset its
+    134 import-time ``torch.library`` registrations would run among them, for a process about to
+    vanish. They are marked ``atexit = False`` (a public attribute of finalizers) here, once,
+    before any fork. Reaching them needs ``weakref.finalize._registry``, the only list there is.
+    """
+    import weakref
+
+    for finalizer in list(getattr(weakref.finalize, "_registry", {})):
+        info = finalizer.peek()
+        func = info[1] if info else None
+        if getattr(func, "__module__", None) == "torch.library" and getattr(func, "__name__", "") == "_del_library":
+            finalizer.atexit = False
+
+
 def _module_files() -> dict[str, tuple[str, int]]:
     """module name -> (file, mtime) of every imported module with a file: what "stale" is checked against."""
     out = {}
@@ -226,6 +244,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         failed, refusal = _import_preloads(preload)
         files = _module_files()
+        _skip_exit_finalizers()
         # Everything imported so far is shared with every rank: keep the collector off those pages,
         # or each rank copies them (memory) the first time it collects (time).
         gc.freeze()
