@@ -16,7 +16,7 @@ import os
 import re
 import sys
 
-__all__ = ["CellSource", "find_read_names", "run_cell", "PULL_FILE", "RESULT_NAME"]
+__all__ = ["CellSource", "find_read_names", "find_defined_names", "run_cell", "PULL_FILE", "RESULT_NAME"]
 
 PULL_FILE = "pull.pkl"
 RESULT_NAME = "__nbdist_cell_result__"
@@ -56,6 +56,20 @@ def find_read_names(tree: ast.Module) -> set[str]:
         if isinstance(node, ast.Global):
             names.update(node.names)
     return {n for n in names if not hasattr(builtins, n) and not _IPYTHON_NAMES.match(n)}
+
+
+def find_defined_names(tree: ast.Module) -> set[str]:
+    """Names the cell binds at its top level (assignments, defs, classes, imports, loop targets):
+    in a session they live on the ranks after the cell."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+    return names
 
 
 def run_cell(cell_file: str, pushed: dict, modules: dict, pull: list):

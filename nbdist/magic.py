@@ -1,4 +1,6 @@
-"""IPython front end: ``%%distributed``, ``%dist_ps``, ``%dist_kill`` and ``%dist_logs``.
+"""IPython front end: ``%%distributed``, ``%dist_ps``, ``%dist_kill`` and ``%dist_logs``; the session
+magics (``%dist_start``, ``%dist_stop``, ``%dist_restart``, ``%dist_stacks``) are thin methods over
+:mod:`nbdist.session_magic`.
 
 Thin, like ipyparallel's magics: parse options with ``magic_arguments``, turn the cell into a
 payload, pick a view, wait, and translate the notebook's interrupt into ``Run.interrupt()``.
@@ -17,8 +19,6 @@ import contextlib
 import html
 import os
 import re
-import types
-from dataclasses import dataclass, field
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -26,163 +26,15 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from . import payload
 from .api import kill, ps
-from .cell import PULL_FILE, CellSource, find_read_names, run_cell
 from .cli import describe_template, format_table, sort_procs
-from .errors import LaunchConfigError
-from .options import WorldOptions
+from .magic_cells import (attached_world, finish_cell, prepare_cell, run_attached_cell, start_cell, world_arguments,
+                          world_options)
 from .view import FLUSH_INTERVAL, make_view
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CELL_HEAD = re.compile(r"^%%distributed(\s|$)")
-
-
-@dataclass
-class CellJob:
-    """A parsed, checked cell, ready to start: everything is validated before a process exists."""
-
-    args: object
-    options: WorldOptions
-    engine: object  # the engine launcher (torchrun, mpirun, srun), or None for spawn/attach
-    run_id: str
-    run_dir: str
-    cell_file: str
-    pushed: dict = field(default_factory=dict)  # name -> pickled bytes
-    modules: dict = field(default_factory=dict)  # name -> module name
-    pull: list = field(default_factory=list)
-    channel: object = None  # set when each kernel of an attached world spawns its own ranks
-
-
-def _split_names(text: str, option: str) -> list[str]:
-    names = [n.strip() for n in (text or "").split(",") if n.strip()]
-    bad = [n for n in names if not _IDENT.match(n)]
-    if bad:
-        raise UsageError(f"{option} takes comma-separated variable names, got {', '.join(map(repr, bad))}")
-    return names
-
-
-def _parse_env(items) -> dict:
-    env = {}
-    for item in [x for group in (items or []) for x in group]:
-        key, sep, value = item.partition("=")
-        if not sep or not _IDENT.match(key):
-            raise UsageError(f"--env takes KEY=VALUE pairs, got {item!r}")
-        env[key] = value
-    return env
-
-
-def prepare_cell(shell, magic_fn, line: str, cell: str) -> CellJob:
-    """Parse and check the options, write ``cell.py``, and pick and check what to push.
-
-    Everything that can be refused is refused here, before any process exists; a refused cell
-    leaves no run dir behind.
-    """
-    args = parse_argstring(magic_fn, line)
-    push = _split_names(args.push, "--push")
-    pull = _split_names(args.pull, "--pull")
-    options = WorldOptions.from_magic_args(args)
-    options.env = _parse_env(args.env)
-    try:
-        engine = options.check().make_engine()
-    except LaunchConfigError as exc:
-        raise UsageError(str(exc)) from None
-    source = CellSource(line, cell)
-    run_id = payload.new_run_id()
-    run_dir = payload.create_run_dir(run_id, args.run_dir)
-    try:
-        return _write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull)
-    except BaseException:
-        payload.discard_run_dir(run_dir)
-        raise
-
-
-def _write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull) -> CellJob:
-    cell_file = os.path.join(run_dir, "cell.py")
-    payload.write_private(cell_file, source.text.encode("utf-8"))
-    tree = source.parse(cell_file)  # a SyntaxError names cell.py and the editor's line
-    user_ns = shell.user_ns
-    hidden = getattr(shell, "user_ns_hidden", {})
-    missing = [n for n in push if n not in user_ns]
-    if missing:
-        raise UsageError(f"--push: no variable named {', '.join(map(repr, missing))} in the notebook")
-    job = CellJob(args, options, engine, run_id, run_dir, cell_file, pull=pull)
-    # Only names the cell reads travel: an unpicklable, unrelated notebook variable never matters.
-    for name in sorted(find_read_names(tree) | set(push)):
-        if name not in user_ns or (name in hidden and name not in push):
-            continue
-        value = user_ns[name]
-        if isinstance(value, types.ModuleType):
-            job.modules[name] = value.__name__  # re-imported by name in the rank
-            continue
-        try:
-            job.pushed[name] = payload.dump_pickle_checked(value, f"notebook variable {name!r}")
-        except TypeError as exc:
-            raise UsageError(f"{exc} (or name it in neither the cell nor --push)") from None
-    return job
-
-
-def start_cell(shell, job: CellJob):
-    """Start the ranks for a prepared cell; ``_dist`` is the Run from now on."""
-    from .start import start_run
-
-    rank_args = (job.cell_file, job.pushed, job.modules, job.pull)
-    world = _attached(job)
-    if world is not None:  # --nprocs in a kernel that is a rank: each kernel spawns its own ranks
-        from .launchers.attach import start_per_kernel
-
-        run, job.channel = start_per_kernel(run_cell, rank_args, {}, world, job.options, run_id=job.run_id,
-                                            run_dir=job.run_dir)
-    else:
-        run = start_run(run_cell, rank_args, {}, job.options, launcher=job.engine, run_id=job.run_id,
-                        run_dir=job.run_dir)
-    shell.user_ns["_dist"] = run
-    return run
-
-
-def finish_cell(shell, job: CellJob, run):
-    """Bring back ``--pull`` variables and return rank 0's value (the cell's result)."""
-    import pickle
-
-    if job.channel is not None:
-        from .launchers.attach import gather_per_kernel
-
-        results = gather_per_kernel(run, job.channel)  # every kernel gets every rank's value
-    else:
-        results = run.wait()
-    if job.pull:
-        try:
-            with open(os.path.join(job.run_dir, PULL_FILE), "rb") as fh:
-                pulled = pickle.load(fh)
-        except FileNotFoundError:
-            pulled = {"values": {}, "missing": job.pull}
-        for name, blob in pulled["values"].items():
-            shell.user_ns[name] = pickle.loads(blob)
-        if pulled["missing"]:
-            print(f"nbdist: --pull: rank 0 has no variable named {', '.join(pulled['missing'])}")
-    first = min(results) if results else None
-    return results.get(first) if first is not None else None
-
-
-def _run_attached_cell(shell, job: CellJob):
-    """The kernel already is a rank: run the cell here, in the notebook's own namespace."""
-    from .api import launch
-
-    results = launch(run_cell, job.cell_file, {}, {}, [], launcher="attach", backend=job.args.backend,
-                     init_process_group=not job.args.no_init)
-    return results.get(0)
-
-
-def _attached(job: CellJob):
-    """The world this kernel is a rank of (None when it runs alone or spawns regardless)."""
-    from .world import detect_world
-
-    if job.args.launcher not in ("auto", "attach"):
-        return None
-    world = detect_world()
-    if job.args.launcher == "attach" and world is None:
-        raise UsageError("--launcher attach: this kernel is not a rank of a torchrun, MPI or Slurm world")
-    return world
 
 
 def _show(view) -> None:
@@ -200,11 +52,21 @@ def _stop_and_raise(run, view):
 
 def _launch_cell(shell, line: str, cell: str):
     """Prepare and start the cell; return ``(job, run, view)``, or ``(job, None, value)`` when the
-    kernel is itself a rank and ran the cell in place."""
-    job = prepare_cell(shell, DistributedMagics.distributed, line, cell)
-    if _attached(job) is not None and not job.args.nprocs:
-        return job, None, _run_attached_cell(shell, job)
-    run = start_cell(shell, job)
+    kernel is itself a rank and ran the cell in place. A live session takes the cell (unless
+    ``--fresh``): ``run`` is then the cell's handle."""
+    from .session_magic import launch_session_cell, live_session
+
+    args = parse_argstring(DistributedMagics.distributed, line)
+    session = live_session()
+    if session is not None and not args.fresh:
+        job, run = launch_session_cell(shell, session, args, line, cell)
+    else:
+        if args.ranks is not None:
+            raise UsageError("--ranks is for a session's cells: %dist_start first")
+        job = prepare_cell(shell, args, line, cell)
+        if attached_world(job) is not None and not job.args.nprocs:
+            return job, None, run_attached_cell(shell, job)
+        run = start_cell(shell, job)
     view = make_view(run, job.args.view)
     _show(view)
     if job.args.bg:
@@ -282,27 +144,15 @@ class DistributedMagics(Magics):
     """``%%distributed`` and the tools to find and stop what runs are left."""
 
     @magic_arguments()
-    @argument("-n", "--nprocs", type=int, default=None,
-              help="number of ranks (default: the number of GPUs, or 2 without one)")
-    @argument("--launcher", default="auto", help="auto, spawn, attach, torchrun, mpirun or srun")
-    @argument("--launcher-args", default="", help="extra engine arguments, quoted: --launcher-args '--hostfile h'")
-    @argument("--nnodes", type=int, default=1, help="torchrun: nodes (kernels) in the world; srun: -N")
-    @argument("--node-rank", type=int, default=0, help="torchrun: this kernel's node")
-    @argument("--master-addr", default=None,
-              help="where ranks reach the kernel (default 127.0.0.1, or this machine's address when ranks may run "
-                   "elsewhere); torchrun: node 0's address")
-    @argument("--master-port", type=int, default=None, help="torchrun with --nnodes > 1: the rendezvous port")
-    @argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl")
+    @world_arguments
     @argument("--timeout", type=float, default=None, help="seconds; then dump every rank's stack and stop")
     @argument("--bg", action="store_true", help="return at once; use _dist.wait() / _dist.kill() later")
     @argument("--push", default="", help="comma-separated notebook variables to send besides those the cell reads")
     @argument("--pull", default="", help="comma-separated variables to bring back from rank 0")
     @argument("--no-init", action="store_true", help="don't initialise the process group")
-    @argument("--env", nargs="+", action="append", default=[], metavar="K=V", help="environment for the ranks")
     @argument("--view", default="auto", choices=("auto", "widget", "text"), help="how to show the ranks' output")
-    @argument("--start", default=None, choices=("warm", "spawn", "fork"),
-              help="how the ranks are made (default: warm once the template is ready, else spawn)")
-    @argument("--run-dir", default=None, help="folder for the run dir (default $NBDIST_RUN_DIR or a private temp dir)")
+    @argument("--ranks", default=None, help="in a session: comma-separated ranks to run on (the others stay idle)")
+    @argument("--fresh", action="store_true", help="run on new one-shot ranks even while a session is live")
     @cell_magic
     def distributed(self, line, cell):
         """Run this cell on N PyTorch ranks, with each rank's output live.
@@ -320,6 +170,46 @@ class DistributedMagics(Magics):
             dist.get_rank()
         """
         return run_cell_sync(self.shell, line, cell)
+
+    @magic_arguments()
+    @world_arguments
+    @line_magic
+    def dist_start(self, line):
+        """Start the notebook's session: ranks that live across cells; ``%%distributed`` cells then run in it.
+
+        Returns at once and shows the ranks come up. Variables a cell defines stay on the ranks
+        for the next cell; the stop button interrupts the cell and keeps them.
+
+        Examples
+        --------
+        ::
+
+            %dist_start -n 4
+        """
+        from .session_magic import start_session
+
+        start_session(self.shell, world_options(parse_argstring(self.dist_start, line)))
+
+    @line_magic
+    def dist_stop(self, line):
+        """``%dist_stop``: end the notebook's session; nothing of it is left running."""
+        from .session_magic import stop_session
+
+        print(stop_session())
+
+    @line_magic
+    def dist_restart(self, line):
+        """``%dist_restart``: new ranks for the session (the old ones and their state go)."""
+        from .session_magic import restart_session
+
+        restart_session(self.shell)
+
+    @line_magic
+    def dist_stacks(self, line):
+        """``%dist_stacks``: every session rank's Python stack, now, without stopping anything."""
+        from .session_magic import show_stacks
+
+        show_stacks()
 
     @line_magic
     def dist_ps(self, line):

@@ -86,8 +86,9 @@ class WorldOptions:
     @classmethod
     def from_magic_args(cls, args) -> WorldOptions:
         """From ``%%distributed`` flags (parsed by IPython's magic_arguments), unchecked."""
-        return cls(nprocs=args.nprocs, launcher=args.launcher, backend=args.backend, init_process_group=not args.no_init,
-                   timeout=args.timeout, env=None, start_method=args.start, run_dir=args.run_dir,
+        return cls(nprocs=args.nprocs, launcher=args.launcher, backend=args.backend,
+                   init_process_group=not getattr(args, "no_init", False), timeout=getattr(args, "timeout", None),
+                   env=None, start_method=args.start, run_dir=args.run_dir,
                    launcher_args=shlex.split(args.launcher_args or "") or None, nnodes=args.nnodes,
                    node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                    spelling="magic")
@@ -158,6 +159,12 @@ class WorldOptions:
         """The world-shaping options where ``other`` asks for something else (None there means "any")."""
         return [f"{self._name(k)} {getattr(other, k)!r} (this one has {getattr(self, k)!r})" for k in names
                 if getattr(other, k) is not None and getattr(other, k) != getattr(self, k)]
+
+    def session_kwargs(self) -> dict:
+        """The keyword arguments of :class:`nbdist.Session` these options stand for."""
+        names = ("nprocs", "launcher", "backend", "env", "run_dir", "launcher_args", "nnodes", "node_rank",
+                 "master_addr", "master_port", "start_method")
+        return {name: getattr(self, name) for name in names}
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spelling"}

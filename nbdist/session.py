@@ -33,6 +33,7 @@ from . import payload
 from .errors import LaunchConfigError, SessionLostError, format_rank_set
 from .options import WorldOptions
 from .session_cell import CellHandle
+from .streams import OutputChunk
 from .session_rank import SESSION_KEY_FILE, count_collectives, get_name, serve_session, set_names, set_nodelay
 
 __all__ = ["Session"]
@@ -88,6 +89,7 @@ class Session:
         self._pids: dict[int, int] = {}
         self._active: CellHandle | None = None
         self._cells = 0
+        self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
         self._ready = threading.Event()
         self.session_id = payload.new_run_id()
         self.run_dir = payload.create_run_dir(self.session_id, self.options.run_dir)
@@ -190,6 +192,11 @@ class Session:
         """The session run ended by itself: a rank died, and the run took the whole tree down."""
         from .run import TERMINAL, RunEvent
 
+        if isinstance(event, OutputChunk):
+            cell = self._active
+            if cell is not None:
+                cell.feed(event)  # each rank's log stays one file; the cell shows its own part of it
+            return
         if not isinstance(event, RunEvent) or event.rank is not None or event.status not in TERMINAL:
             return
         with self._lock:
@@ -328,6 +335,20 @@ class Session:
             cell.lose(SessionLostError(self.lost_reason), replace=True)
 
     def _submit(self, write, ranks, timeout, check=True) -> CellHandle:
+        targets = self.prepare(ranks, check)
+        cell_dir = self.new_cell_dir()
+        try:
+            write(cell_dir)
+        except BaseException:
+            payload.discard_run_dir(cell_dir)
+            raise
+        return self.start_cell(cell_dir, targets, timeout)
+
+    def prepare(self, ranks=None, check: bool = True) -> list[int]:
+        """Wait until the session can take a cell; return the ranks it will run on.
+
+        Raises SessionLostError when it can't (lost, closed), RuntimeError while a cell runs.
+        """
         self.wait_ready()  # a cell sent while the session starts waits for it
         if check and self._active is not None and self._active.done:
             self.check_in_step(self._active)
@@ -336,19 +357,25 @@ class Session:
         unknown = [r for r in targets if r not in self._conns]
         if unknown or not targets:
             raise LaunchConfigError(f"ranks must be a subset of {format_rank_set(self._conns)}, got {ranks!r}")
+        if self.status == "busy":
+            raise RuntimeError(f"cell {self._active.cell_id} is still running in this session; "
+                               "wait for it or interrupt it")
+        return targets
+
+    def new_cell_dir(self) -> str:
+        """A private folder for the next cell's record (its payload, its source)."""
         with self._lock:
-            if self.status == "busy":
-                raise RuntimeError(f"cell {self._active.cell_id} is still running in this session; "
-                                   "wait for it or interrupt it")
             self._cells += 1
             cell_dir = os.path.join(self.run_dir, "cells", f"{self._cells:04d}")
-            os.makedirs(cell_dir, mode=0o700)
-            try:
-                write(cell_dir)
-            except BaseException:
-                payload.discard_run_dir(cell_dir)
-                raise
-            cell = self._active = CellHandle(self, self._cells, targets, cell_dir)
+        os.makedirs(cell_dir, mode=0o700)
+        return cell_dir
+
+    def start_cell(self, cell_dir: str, targets: list[int], timeout=None) -> CellHandle:
+        """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once."""
+        with self._lock:
+            if self.status != "idle":
+                raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
+            cell = self._active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir)
             self.status = "busy"
         for rank in targets:
             self._conns[rank].send(("cell", cell.cell_id, cell_dir))
@@ -381,21 +408,34 @@ class Session:
 
     def _dump_stacks(self, ranks) -> str:
         """Each stuck rank's stack into its log (as a timeout does); where the first one stood."""
+        dumps = self.stacks(ranks, timeout=0.5)
+        first = dumps.get(ranks[0])
+        return f", {first.where}; stacks in the rank logs" if first is not None else ""
+
+    def stacks(self, ranks=None, timeout: float = 2.0) -> dict:
+        """Every rank's Python stack, now, without stopping anything: ``{rank: StackDump}``.
+
+        The answer to "is it hung, and where?". Each dump also goes into the rank's log.
+        """
         from .stacks import read_dump
         from .worker import STACK_DUMP_SIGNAL
 
+        ranks = sorted(self._pids) if ranks is None else list(ranks)
         paths = {r: payload.log_path(self.run_dir, r, "stderr") for r in ranks}
         sizes = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
         for rank in ranks:
-            with contextlib.suppress(ProcessLookupError):
+            with contextlib.suppress(ProcessLookupError, KeyError):
                 os.kill(self._pids[rank], STACK_DUMP_SIGNAL)
-        deadline = time.monotonic() + 0.5
-        while time.monotonic() < deadline:
-            dump = read_dump(paths[ranks[0]], sizes[ranks[0]])
-            if dump is not None:
-                return f", {dump.where}; stacks in the rank logs"
+        dumps: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(dumps) < len(ranks) and time.monotonic() < deadline:
             time.sleep(0.05)
-        return ""
+            for rank in ranks:
+                if rank not in dumps:
+                    dump = read_dump(paths[rank], sizes[rank])
+                    if dump is not None:
+                        dumps[rank] = dump
+        return dumps
 
 
 @atexit.register

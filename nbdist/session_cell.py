@@ -1,5 +1,9 @@
 """One cell in a session: a run of its own, on ranks that already exist.
 
+A :class:`CellHandle` answers what a view asks of a :class:`nbdist.run.Run` (events, rank
+states, status, error, Kill), so ``%%distributed`` shows a session cell with the same views: its
+output is the part of each rank's log between the cell's start and its end.
+
 The cell's lifecycle is the *cell* level of the design: it ends finished, failed (some rank
 raised; the ranks are idle again, their namespaces kept) or interrupted (the stop button; idle
 again, state kept). It ends "lost" only when the session itself was lost under it (a rank died,
@@ -9,10 +13,16 @@ returns; the session fills it from the ranks' replies.
 
 from __future__ import annotations
 
+import collections
+import logging
 import threading
 import time
 
 from .errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
+from .run import RankStatus, RunEvent
+from .streams import OutputChunk
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CellHandle", "CELL_TERMINAL"]
 
@@ -26,8 +36,10 @@ class CellHandle:
     ----------
     cell_id : int
         The cell's number in its session.
-    ranks : list of int
+    targets : list of int
         The ranks it runs on (the others stay idle).
+    ranks : dict
+        rank -> :class:`nbdist.run.RankStatus`, as a Run has them (what the views draw).
     status : str
         "running", "finished", "failed", "interrupted" or "lost".
     results : dict
@@ -46,7 +58,7 @@ class CellHandle:
     def __init__(self, session, cell_id: int, ranks: list[int], cell_dir: str):
         self.session = session
         self.cell_id = cell_id
-        self.ranks = list(ranks)
+        self.targets = list(ranks)
         self.cell_dir = cell_dir
         self.status = "running"
         self.results: dict[int, object] = {}
@@ -57,20 +69,71 @@ class CellHandle:
         self.checked = False  # the session checked that its ranks are still in step after it
         self.started = time.monotonic()
         self.ended: float | None = None
+        self.run_id = f"{session.session_id}/{cell_id}"
+        self.run_dir = cell_dir
+        self.nprocs = len(self.targets)
+        self.ranks = {r: RankStatus(r, "running", pid=session.pids.get(r)) for r in self.targets}  # as Run.ranks
+        self.report: str | None = None
+        self._subscribers: list = []
+        self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
         self._done = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        return f"<nbdist.CellHandle {self.cell_id} {self.status} ranks={format_rank_set(self.ranks)}>"
+        return f"<nbdist.CellHandle {self.cell_id} {self.status} ranks={format_rank_set(self.targets)}>"
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
+    # ---- what a view asks of a run ----------------------------------------------------------
+    def global_rank(self, rank: int) -> int:
+        return rank  # a cell's ranks are named by their global rank already
+
+    def subscribe(self, callback, replay: bool = True) -> None:
+        """Call ``callback(event)`` for the cell's output chunks and rank states (as Run.subscribe)."""
+        with self._lock:
+            if replay:
+                for rank, lines in self._lines.items():
+                    by_stream: dict[str, list[str]] = {}
+                    for stream, line in list(lines):
+                        by_stream.setdefault(stream, []).append(line)
+                    for stream, chunk in by_stream.items():
+                        callback(OutputChunk(rank, stream, chunk, ""))
+                for rank, st in self.ranks.items():
+                    callback(RunEvent(st.status, rank, st))
+                if self.done:
+                    callback(RunEvent(self.status, None, self.error or self.report))
+            self._subscribers.append(callback)
+
+    def _emit(self, event) -> None:
+        for callback in list(self._subscribers):
+            try:
+                callback(event)
+            except Exception:  # a broken view must not stop the session's bookkeeping
+                log.exception("nbdist view callback failed")
+
+    def feed(self, chunk: OutputChunk) -> None:
+        """Output of a rank while this cell runs (the session forwards its ranks' log lines)."""
+        if chunk.rank not in self._lines or self.done:
+            return
+        with self._lock:
+            self._lines[chunk.rank].extend((chunk.stream, line) for line in chunk.lines)
+            self._emit(chunk)
+
+    def _set_rank(self, rank: int, status: str) -> None:
+        st = self.ranks[rank]
+        st.status, st.ended = status, time.monotonic()
+        self._emit(RunEvent(status, rank, st))
+
+    def kill(self):
+        """The view's Kill button on a session cell: stop the cell, keep the ranks and their state."""
+        self.interrupt()
+
     def busy_ranks(self) -> list[int]:
         """Targeted ranks that have not answered yet."""
         answered = set(self.results) | set(self.failures) | self.interrupted
-        return [r for r in self.ranks if r not in answered]
+        return [r for r in self.targets if r not in answered]
 
     # ---- filled in by the session --------------------------------------------------------
     def record_start(self, rank: int, offsets) -> None:
@@ -89,6 +152,7 @@ class CellHandle:
                 self.interrupted.add(rank)
             else:
                 self.failures[rank] = _failure_from(rank, pid, body)
+            self._set_rank(rank, kind)
             return not self.busy_ranks()
 
     def finish(self) -> None:
@@ -102,8 +166,8 @@ class CellHandle:
                 self.error = WorkerFailedError(self.failures, results, self.cell_dir)
             elif self.interrupted:
                 self.status = "interrupted"
-                self.error = RunStoppedError("interrupted", results, self.cell_dir,
-                                             f"{format_rank_set(self.ranks)} idle again, their state kept")
+                self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
+                self.error = RunStoppedError("interrupted", results, self.cell_dir, self.report)
             else:
                 self.status = "finished"
             self._end()
@@ -120,11 +184,14 @@ class CellHandle:
                                           error.reason)
                 error.session_lost = True
             self.status, self.error = "lost", error
+            for rank in self.busy_ranks():
+                self._set_rank(rank, "killed")
             self._end()
 
     def _end(self) -> None:
         self.ended = time.monotonic()
         self._done.set()
+        self._emit(RunEvent(self.status, None, self.error or self.report))
 
     # ---- what users call -----------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> dict:

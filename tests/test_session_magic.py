@@ -1,0 +1,121 @@
+"""The notebook's session through a real IPython kernel: %dist_start, cells in it, the stop button,
+%dist_stacks, %dist_stop, and a kernel that dies. Driven through jupyter_client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from conftest import KEPT_TEMPLATES, marked_pids, wait_for
+from kernel_client import Kernel
+
+
+@pytest.fixture(params=["spawn", "warm"])
+def kernel(request):
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", NBDIST_START_METHOD=request.param))
+    k.start_method = request.param
+    assert k.run("%load_ext nbdist").status == "ok"
+    template = int(k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().pid").result)
+    KEPT_TEMPLATES.add(template)
+    if request.param == "warm":
+        k.run("nbdist.warmstart.current_template().wait_ready(120)")
+    yield k
+    k.shutdown()
+    wait_for(lambda: not psutil.pid_exists(template) or psutil.Process(template).status() == psutil.STATUS_ZOMBIE,
+             5, what="the kernel's warm template to end with it")
+    KEPT_TEMPLATES.discard(template)
+
+
+def _session_id(kernel) -> str:
+    return kernel.run("from nbdist.session_magic import live_session\nlive_session().session_id").result.strip("'")
+
+
+def test_a_session_keeps_the_model_between_cells_and_shows_each_cells_output(kernel):
+    res = kernel.run("%dist_start -n 2")
+    assert res.status == "ok" and "starting 2 ranks" in res.stdout, res.error_text
+    res = kernel.run("%%distributed --view text\nimport torch, torch.distributed as dist\n"
+                     "torch.manual_seed(0)\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))\n"
+                     "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                     "X = torch.randn(32, 4, generator=torch.Generator().manual_seed(dist.get_rank()))\n"
+                     "def step():\n    opt.zero_grad()\n    loss = (model(X) ** 2).mean()\n    loss.backward()\n"
+                     "    opt.step()\n    return loss.item()\n"
+                     "print('built on rank', dist.get_rank())\nstep()")
+    assert res.status == "ok", res.error_text + res.stdout
+    assert "[rank 0] built on rank 0" in res.stdout and "[rank 1] built on rank 1" in res.stdout
+    first = float(res.result)
+    losses = []
+    for _ in range(2):
+        res = kernel.run("%%distributed --view text\nfor _ in range(10):\n    loss = step()\nprint('loss', loss)\nloss")
+        assert res.status == "ok", res.error_text
+        assert "built on rank" not in res.stdout, "each cell shows its own output only"
+        losses.append(float(res.result))
+    assert first > losses[0] > losses[1], (first, losses)
+    res = kernel.run("%%distributed --view text --ranks 1\nprint('only', dist.get_rank())\ndist.get_rank()")
+    assert res.status == "ok" and res.result == "1" and "[rank 1] only 1" in res.stdout and "[rank 0]" not in res.stdout
+    assert kernel.run("type(_dist).__name__").result == "'CellHandle'"
+    # A notebook variable of a name the ranks defined does not overwrite the ranks' own.
+    kernel.run("model = 'the notebook has its own model'")
+    res = kernel.run("%%distributed --view text\ntype(model).__name__")
+    assert res.result == "'DistributedDataParallel'", res.result
+    res = kernel.run("%%distributed -n 4 --view text\n1")
+    assert res.status == "error" and "this cell asks for --nprocs 4" in res.error_text and "--fresh" in res.error_text
+    res = kernel.run("%%distributed -n 2 --fresh --view text\nimport os\nos.environ['NBDIST_RUN_ID'] != "
+                     f"{_session_id(kernel)!r}")
+    assert res.status == "ok" and res.result == "True", res.error_text
+    sid = _session_id(kernel)
+    res = kernel.run("%dist_stop")
+    assert "stopped (2 ranks)" in res.stdout
+    wait_for(lambda: not marked_pids(sid), 3, what="the session's ranks to go")
+
+
+def test_errors_show_cell_lines_and_the_stop_button_keeps_the_state(kernel):
+    kernel.run("%dist_start -n 2")
+    res = kernel.run("%%distributed --view text\nimport time, torch.distributed as dist\nkept = [1, 2, 3]\n"
+                     "def shard(r):\n    raise KeyError(f'shard {r}')\nshard(dist.get_rank())")
+    assert res.status == "error" and res.error["ename"] == "WorkerFailedError", res.error_text
+    assert "KeyError" in res.error_text and 'cell.py", line 6' in res.error_text and 'line 5' in res.error_text
+    msg_id = kernel.send("%%distributed --view text\nn = 0\nwhile True:\n    n += 1\n    time.sleep(0.001)")
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    res = kernel.collect(msg_id, timeout=30)
+    took = time.monotonic() - t0
+    assert res.status == "error" and res.error["ename"] == "RunStoppedError", res.error_text
+    assert "idle again, their state kept" in res.error_text
+    print(f"stop button on a session cell -> idle in {took:.2f} s")
+    res = kernel.run("%%distributed --view text\n(sum(kept), n > 0)")
+    assert res.status == "ok" and res.result == "(6, True)", res.error_text
+    res = kernel.run("%dist_stacks")
+    assert res.status == "ok" and "===== rank 0" in res.stdout and "===== rank 1" in res.stdout, res.stdout
+    assert "session_rank.py" in res.stdout or "serve_session" in res.stdout or "recv" in res.stdout
+    kernel.run("%dist_stop")
+
+
+def test_a_dying_rank_is_said_and_restart_brings_the_session_back(kernel):
+    kernel.run("%dist_start -n 2")
+    sid = _session_id(kernel)
+    res = kernel.run("%%distributed --view text\nimport os\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), 9)\n"
+                     "import time\ntime.sleep(60)")
+    assert res.status == "error" and "SessionLostError" in res.error_text and "SIGKILL" in res.error_text
+    wait_for(lambda: not marked_pids(sid), 3, what="the broken session's tree to go")
+    res = kernel.run("%%distributed --view text\n1")
+    assert res.status == "error" and "%dist_restart" in res.error_text
+    assert kernel.run("%dist_restart").status == "ok"
+    res = kernel.run("%%distributed --view text\nimport torch.distributed as dist\ndist.get_world_size()")
+    assert res.status == "ok" and res.result == "2", res.error_text
+    kernel.run("%dist_stop")
+
+
+def test_a_killed_kernel_leaves_no_session_rank(kernel):
+    kernel.run("%dist_start -n 2")
+    kernel.run("%%distributed --view text\nimport torch\nx = torch.ones(1)")
+    sid = _session_id(kernel)
+    assert len(marked_pids(sid)) >= 2
+    os.kill(kernel.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    wait_for(lambda: not marked_pids(sid), 3, what="the session's ranks to die with the kernel")
+    print(f"kernel SIGKILL -> session gone in {time.monotonic() - t0:.2f} s")
