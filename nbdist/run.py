@@ -140,6 +140,16 @@ class Run:
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def log_dir(self) -> str:
+        """Where the rank logs are (a session cell's are its session's)."""
+        return self.run_dir
+
+    @property
+    def label(self) -> str:
+        """How a view names it."""
+        return f"run {self.run_id}"
+
     def global_rank(self, local: int) -> int:
         return self.spec.identity_for(local).rank
 

@@ -91,6 +91,7 @@ class Session:
         self._cells = 0
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
         self._ready = threading.Event()
+        self._started_at, self.ready_after = time.monotonic(), None
         self.session_id = payload.new_run_id()
         self.run_dir = payload.create_run_dir(self.session_id, self.options.run_dir)
         key = secrets.token_bytes(32)
@@ -140,6 +141,7 @@ class Session:
         with self._lock:
             if self.status == "starting":
                 self.status = "idle"
+                self.ready_after = time.monotonic() - self._started_at
         self._ready.set()
         self._read_replies()
 
@@ -172,6 +174,9 @@ class Session:
             return
         if message[0] == "started":
             cell.record_start(rank, message[3])
+            return
+        if message[0] == "display":
+            cell.feed_display(rank, message[3], message[4])
             return
         _, _, _, kind, body, offsets = message
         last = cell.record_done(rank, kind, body, offsets, self._pids.get(rank))

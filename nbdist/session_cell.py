@@ -20,7 +20,7 @@ import time
 
 from .errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
 from .run import RankStatus, RunEvent
-from .streams import OutputChunk
+from .streams import DisplayEvent, OutputChunk
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,14 @@ class CellHandle:
         self.ended: float | None = None
         self.run_id = f"{session.session_id}/{cell_id}"
         self.run_dir = cell_dir
+        self.log_dir = session.run_dir  # each rank's log is one file for the whole session
+        self.label = f"session {session.session_id} · cell {cell_id}"
         self.nprocs = len(self.targets)
         self.ranks = {r: RankStatus(r, "running", pid=session.pids.get(r)) for r in self.targets}  # as Run.ranks
         self.report: str | None = None
         self._subscribers: list = []
         self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
+        self.displays: list[DisplayEvent] = []  # rich output, in order (replayed too)
         self._done = threading.Event()
         self._lock = threading.RLock()
 
@@ -100,6 +103,8 @@ class CellHandle:
                         by_stream.setdefault(stream, []).append(line)
                     for stream, chunk in by_stream.items():
                         callback(OutputChunk(rank, stream, chunk, ""))
+                for shown in self.displays:
+                    callback(shown)
                 for rank, st in self.ranks.items():
                     callback(RunEvent(st.status, rank, st))
                 if self.done:
@@ -120,6 +125,12 @@ class CellHandle:
         with self._lock:
             self._lines[chunk.rank].extend((chunk.stream, line) for line in chunk.lines)
             self._emit(chunk)
+
+    def feed_display(self, rank: int, data: dict, metadata: dict) -> None:
+        """A rank's ``display(...)`` or figure: the views show rank 0's in the notebook, others' in their tab."""
+        with self._lock:
+            self.displays.append(DisplayEvent(rank, data, metadata))
+            self._emit(self.displays[-1])
 
     def _set_rank(self, rank: int, status: str) -> None:
         st = self.ranks[rank]

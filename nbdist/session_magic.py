@@ -118,11 +118,18 @@ def _ranks_html(session: Session) -> str:
             mem = f"{psutil.Process(pid).memory_info().rss / 2**20:.0f} MiB" if pid else ""
         except psutil.NoSuchProcess:
             mem = "gone"
-        state = "up" if pid else session.status
+        state = "up" if pid else "starting"
         rows.append(f"<tr><td>rank {rank}</td><td>{state}</td><td>{pid or '-'}</td><td>{mem}</td></tr>")
+    # A snapshot of how the start went, not a live status (later cells have their own views).
+    if session.status == "starting":
+        head = "starting"
+    elif session.lost_reason:
+        head = "could not start"
+    else:
+        head = f"{len(session.pids)} ranks up in {session.ready_after:.1f} s" if session.ready_after else "up"
     note = f"<div>{html.escape(session.lost_reason)}</div>" if session.lost_reason else ""
     return (f"<div style='font-size:12px'><b>nbdist</b> session <code>{session.session_id}</code> · "
-            f"{session.status}<table>{''.join(rows)}</table>{note}</div>")
+            f"{head}<table>{''.join(rows)}</table>{note}</div>")
 
 
 def _check_same_world(session: Session, args) -> None:

@@ -20,6 +20,7 @@ import os
 import pickle
 import signal
 import sys
+import threading
 from multiprocessing.connection import Client
 
 from . import payload
@@ -99,7 +100,23 @@ def serve_session(session_dir: str, address) -> None:
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
     conn = Client(tuple(address), authkey=_read_key(session_dir))
     set_nodelay(conn)
-    conn.send(("hello", rank, os.getpid()))
+    lock = threading.Lock()  # a cell's own threads may display while the loop reports
+    current = [None]  # the cell running now
+
+    def send(message) -> None:
+        with lock:
+            conn.send(message)
+
+    def send_display(data, metadata) -> None:
+        if current[0] is not None:
+            send(("display", rank, current[0], data, metadata))
+        else:  # between cells: the log has it
+            print(data.get("text/plain", "<rich output>"))
+
+    from . import rank_display
+
+    rank_display.install(send_display)  # display() and plt.show() reach the notebook
+    send(("hello", rank, os.getpid()))
     while True:
         try:
             message = conn.recv()
@@ -109,7 +126,8 @@ def serve_session(session_dir: str, address) -> None:
             return
         _, cell_id, cell_dir = message
         start = _log_offsets()
-        conn.send(("started", rank, cell_id, start))
+        send(("started", rank, cell_id, start))
+        current[0] = cell_id
         try:
             kind, body = _run_one(cell_dir, rank)
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -119,7 +137,8 @@ def serve_session(session_dir: str, address) -> None:
             from .worker import describe_exception
 
             kind, body = "failed", describe_exception(exc)
-        conn.send(("done", rank, cell_id, kind, body, _log_offsets()))
+        current[0] = None
+        send(("done", rank, cell_id, kind, body, _log_offsets()))
 
 
 def load_value(blob: bytes):

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["LineAssembler", "LogFollower", "OutputChunk", "RankOutput", "skip_note"]
+__all__ = ["DisplayEvent", "LineAssembler", "LogFollower", "OutputChunk", "RankOutput", "skip_note"]
 
 
 @dataclass
@@ -27,6 +27,15 @@ class OutputChunk:
     lines: list[str]
     pending: str  # the unfinished last line after \r handling ("" when none)
     time: float = field(default_factory=time.time)
+
+
+@dataclass
+class DisplayEvent:
+    """Rich output of one rank (a ``display(...)`` or a figure): a MIME bundle, as a kernel sends it."""
+
+    rank: int
+    data: dict
+    metadata: dict = field(default_factory=dict)
 
 
 class LineAssembler:

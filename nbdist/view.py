@@ -17,7 +17,7 @@ import psutil
 
 from .errors import RunStoppedError, WorkerFailedError
 from .run import RunEvent, TERMINAL
-from .streams import OutputChunk
+from .streams import DisplayEvent, OutputChunk
 
 __all__ = ["TextView", "WidgetView", "make_view", "format_report_line"]
 
@@ -62,12 +62,15 @@ def _memory(pid) -> int:
 class _Buffered:
     """Collect events from the monitor thread; a flusher drains them at a bounded rate."""
 
+    _in_cell = True  # flushed by the cell that is waiting for the run (not by a --bg thread)
+
     def __init__(self, run):
         self.run = run
         self._lock = threading.Lock()
         self._lines: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
         self._pending: dict[int, dict[str, str]] = collections.defaultdict(dict)
         self._dropped: collections.Counter = collections.Counter()
+        self._displays: list[DisplayEvent] = []
         self._dirty_status = True
         self._ended = threading.Event()
         self._thread = None
@@ -82,6 +85,8 @@ class _Buffered:
                     del buffered[:drop]
                     self._dropped[event.rank] += drop
                 self._pending[event.rank][event.stream] = event.pending
+            elif isinstance(event, DisplayEvent):
+                self._displays.append(event)
             elif isinstance(event, RunEvent):
                 self._dirty_status = True
                 if event.rank is None and event.status in TERMINAL:
@@ -95,11 +100,17 @@ class _Buffered:
             dirty, self._dirty_status = self._dirty_status, False
         for rank, n in dropped.items():
             lines[rank].insert(0, ("stderr", f"[nbdist: {n:,} lines not shown here, the view fell behind; "
-                                             f"%dist_logs or {self.run.run_dir} has them all]"))
+                                             f"%dist_logs or {self.run.log_dir} has them all]"))
         return lines, pending, dirty
+
+    def take_displays(self) -> list[DisplayEvent]:
+        with self._lock:
+            displays, self._displays = self._displays, []
+        return displays
 
     def start_flusher(self) -> None:
         """Draw from a thread (for --bg, when no cell is waiting to do it)."""
+        self._in_cell = False  # what is shown from a thread can't go into a cell's own output
 
         def loop():
             while not self._ended.wait(FLUSH_INTERVAL):
@@ -129,11 +140,18 @@ class TextView(_Buffered):
         for rank in sorted(lines):
             for stream, line in lines[rank]:
                 out.append(f"[rank {rank}{'!' if stream == 'stderr' else ''}] {line}\n")
+        for shown in self.take_displays():
+            if shown.rank == self._first_rank() and self._in_cell and _display_raw(shown):
+                continue  # rank 0's rich output is the cell's own, as it would be in the kernel
+            out.append(f"[rank {shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")
         if final:
-            out.append(f"nbdist: {format_report_line(self.run)}  (logs: {self.run.run_dir})\n")
+            out.append(f"nbdist: {format_report_line(self.run)}  (logs: {self.run.log_dir})\n")
         if out:
             self.stream.write("".join(out))
             self.stream.flush()
+
+    def _first_rank(self) -> int:
+        return min(self.run.global_rank(r) for r in self.run.ranks)
 
 
 class WidgetView(_Buffered):
@@ -163,7 +181,7 @@ class WidgetView(_Buffered):
                                     layout=w.Layout(width="auto", min_width="80px", height="26px"))
         self.kill_button.on_click(self._on_kill)
         note = w.HTML(f"<span style='color:#5f6368;font-size:11px'>view keeps the last {MAX_VIEW_LINES} lines per "
-                      f"rank; full logs: <code>{html.escape(run.run_dir)}</code></span>")
+                      f"rank; full logs: <code>{html.escape(run.log_dir)}</code></span>")
         tabs = [w.VBox([self.output_all, self.live_all])]
         tabs += [w.VBox([self.badges[r], self.outputs[r], self.live[r]]) for r in self._ranks]
         self.tabs = w.Tab(children=tabs)
@@ -210,7 +228,7 @@ class WidgetView(_Buffered):
         fg, bg = BADGE_COLOURS.get(run.status, ("#333", "#eee"))
         self.title.value = (
             f"<div style='font-family:var(--jp-ui-font-family,sans-serif);font-size:13px'>"
-            f"<b>nbdist</b> run <code>{run.run_id}</code> · {run.nprocs} ranks · "
+            f"<b>nbdist</b> {html.escape(run.label)} · {run.nprocs} ranks · "
             f"<span style='color:{fg};background:{bg};padding:0 6px;border-radius:8px;font-weight:600'>"
             f"{run.status}</span> <span style='color:#5f6368'>({summary})</span></div>")
         for r in self._ranks:
@@ -283,6 +301,12 @@ class WidgetView(_Buffered):
         value = self._live_html("\n".join(live_all))
         if self.live_all.value != value:
             self.live_all.value = value
+        for shown in self.take_displays():
+            first = shown.rank == self._ranks[0]
+            if not (first and self._in_cell and _display_raw(shown)) and shown.rank in self.outputs:
+                out = self.outputs[shown.rank]  # other ranks' rich output goes into their tab
+                out.outputs = (*out.outputs, {"output_type": "display_data", "data": shown.data,
+                                              "metadata": shown.metadata})
         now = time.monotonic()
         if dirty or final or now - self._last_status_draw > 1.0:
             self._last_status_draw = now
@@ -305,6 +329,19 @@ _VIEW_CSS = """<style>
   padding: 0 12px !important; }
 .nbdist-view .jp-OutputArea-output pre { font-size: 12px; line-height: 1.35; }
 </style>"""
+
+
+def _display_raw(shown: DisplayEvent) -> bool:
+    """Show a rank's MIME bundle as the cell's own output (True), where IPython is there to do it."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        return False
+    if get_ipython() is None:
+        return False
+    display(shown.data, metadata=shown.metadata, raw=True)
+    return True
 
 
 def _strip_ansi(text: str) -> str:

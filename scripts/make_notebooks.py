@@ -217,3 +217,65 @@ write("04_multinode.ipynb", [
        "allocation, or `%%distributed --launcher srun -n 8 --nnodes 2 --run-dir /shared/runs`."),
     code("os.remove('attach_demo.py'); os.remove('node1.py')"),
 ])
+
+write("05_sessions.ipynb", [
+    md("# Sessions: ranks that live across cells\n\n"
+       "`%dist_start` starts ranks that stay alive between cells, each with its namespace and its process group. "
+       "Build a model once, train it over several cells, stop it, look inside, train more, save a checkpoint: "
+       "the model, the optimizer and the data stay on the ranks the whole time."),
+    code("%load_ext nbdist"),
+    code("%dist_start -n 2"),
+    md("A DDP model on 2 CPU ranks (gloo). Everything this cell defines stays on the ranks."),
+    code("%%distributed\n"
+         "import torch, torch.distributed as dist\n"
+         "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+         "torch.manual_seed(0)\n"
+         "model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))\n"
+         "opt = torch.optim.Adam(model.parameters(), lr=1e-2)\n"
+         "X = torch.randn(256, 8, generator=torch.Generator().manual_seed(dist.get_rank()))\n"
+         "Y = X.sum(1, keepdim=True)\n"
+         "losses = []\n\n"
+         "def train(steps):\n"
+         "    for _ in range(steps):\n"
+         "        opt.zero_grad()\n"
+         "        loss = ((model(X) - Y) ** 2).mean()\n"
+         "        loss.backward()\n"
+         "        opt.step()\n"
+         "        losses.append(loss.item())\n"
+         "    return losses[-1]\n\n"
+         "print(f'rank {dist.get_rank()}: model built')"),
+    md("Train, in a cell of its own. Rank 0's last expression is the cell's value."),
+    code("%%distributed\ntrain(40)"),
+    md("A training loop that would run for ever, stopped: the stop button does the same as `--timeout` here "
+       "(which a headless run can't press). The ranks go back to idle, and the model keeps its weights."),
+    raises("%%distributed --timeout 3\nwhile True:\n    train(1)"),
+    md("Look inside: how far training got, on every rank, and each rank's stack right now."),
+    code("%%distributed\nprint(f'rank {dist.get_rank()}: {len(losses)} steps, loss {losses[-1]:.4f}')\nlen(losses)"),
+    code("%dist_stacks"),
+    md("Train more: the same model, the same optimizer state."),
+    code("%%distributed\nround(train(40), 4)"),
+    md("FSDP2 (`fully_shard`) works the same way on CPU ranks; its sharded state is saved with "
+       "`torch.distributed.checkpoint`, one file per rank. `ckpt` is a notebook variable: it travels to the ranks."),
+    code("import tempfile\nckpt = tempfile.mkdtemp(prefix='nbdist-ckpt-')"),
+    code("%%distributed\n"
+         "from torch.distributed.fsdp import fully_shard\n"
+         "import torch.distributed.checkpoint as dcp\n"
+         "torch.manual_seed(0)\n"
+         "net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))\n"
+         "for layer in net:\n"
+         "    if isinstance(layer, torch.nn.Linear):\n"
+         "        fully_shard(layer)\n"
+         "fully_shard(net)\n"
+         "fsdp_opt = torch.optim.Adam(net.parameters(), lr=1e-2)\n"
+         "for _ in range(30):\n"
+         "    fsdp_opt.zero_grad()\n"
+         "    fsdp_loss = ((net(X) - Y) ** 2).mean()\n"
+         "    fsdp_loss.backward()\n"
+         "    fsdp_opt.step()\n"
+         "dcp.save({'model': net.state_dict()}, checkpoint_id=ckpt)\n"
+         "round(fsdp_loss.item(), 4)"),
+    code("import os\nsorted(os.listdir(ckpt))"),
+    md("Stop the session: nothing of it is left running (the warm template stays, ready for the next start)."),
+    code("%dist_stop"),
+    code("%dist_ps"),
+])

@@ -254,3 +254,44 @@ def test_interrupt_button_leaves_nothing_and_next_cell_runs(notebook):
     nb.wait_done(2)
     nb.output(2).get_by_text("next cell ran").wait_for(timeout=10_000)
     nb.shot("next-cell")
+
+
+def test_session_cell_view_stop_button_during_training_and_the_next_cell(notebook):
+    """A session in JupyterLab: the cell's view, the stop button in a DDP training loop, the next cell."""
+    nb = notebook(
+        "session",
+        "%dist_start -n 2",
+        "%%distributed\nimport time, torch, torch.distributed as dist\n"
+        "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.01)\nsteps = 0\n"
+        "while True:\n"
+        "    opt.zero_grad()\n"
+        "    model(torch.randn(8, 4)).pow(2).mean().backward()\n"
+        "    opt.step()\n"
+        "    steps += 1\n"
+        "    if steps % 50 == 1:\n"
+        "        print('step', steps, flush=True)\n"
+        "    time.sleep(0.005)",
+        "%%distributed\nprint('next cell ran after', steps, 'steps', flush=True)\nsteps",
+        "%dist_stop",
+    )
+    nb.run(1)
+    nb.wait_done(1)
+    nb.output(1).get_by_text("starting 2 ranks").first.wait_for(timeout=10_000)
+    nb.run(2)
+    out = nb.output(2)
+    out.get_by_text("step 1").first.wait_for(timeout=120_000)
+    nb.shot("training")
+    nb.page.locator("jp-button[data-command='notebook:interrupt-kernel'], "
+                    "button[data-command='notebook:interrupt-kernel']").first.click()
+    nb.wait_done(2, timeout=30)
+    out.get_by_text("idle again, their state kept").first.wait_for(timeout=10_000)
+    assert marked_pids(), "the session's ranks are still there, idle"
+    nb.shot("stopped")
+    nb.run(3)
+    nb.wait_done(3, timeout=60)
+    nb.output(3).get_by_text("next cell ran after").first.wait_for(timeout=10_000)
+    nb.shot("next-cell")
+    nb.run(4)
+    nb.wait_done(4, timeout=30)
+    wait_for(lambda: not marked_pids(), 10, what="nothing left after %dist_stop")

@@ -90,6 +90,23 @@ def test_engine_dead_parent_leaves_nothing(engine, run_script, tmp_path):
           f"nothing left in {time.monotonic() - t0:.2f} s")
 
 
+def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(engine):
+    """The same session worker under mpirun, torchrun and srun: cells keep their state, the stop
+    button brings the ranks back to idle, and closing leaves nothing of the engine's tree."""
+    with nbdist.Session(nprocs=2, **engine) as s:
+        assert s.wait_ready(120)
+        assert s.execute("import torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
+                         "dist.all_reduce(t)\nt.item()") == {0: 3.0, 1: 3.0}
+        cell = s.execute("import time\nwhile True:\n    time.sleep(0.01)", join=False)
+        wait_for(lambda: len(cell.offsets) == 2, 30, what="the cell to start")
+        cell.interrupt()
+        with pytest.raises(nbdist.RunStoppedError):
+            cell.wait(30)
+        assert s.execute("t.item()") == {0: 3.0, 1: 3.0}, "the ranks kept their state"
+        sid = s.session_id
+    wait_for(lambda: not marked_pids(sid), 15, what=f"the {engine['launcher']} session's tree to go")
+
+
 # ---- torchrun across kernels ------------------------------------------------------------------
 NODE_SCRIPT = """
 import json, sys

@@ -61,7 +61,7 @@ def test_quickstart_notebook(tmp_path):
     assert "no nbdist ranks are running" in ps_text and "warm template pid" in ps_text, ps_text
 
 
-@pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode"])
+@pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode", "05_sessions"])
 def test_doc_notebooks_run(name, tmp_path):
     nb = execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                           timeout=300, cwd=str(tmp_path))
@@ -74,6 +74,14 @@ def test_doc_notebooks_run(name, tmp_path):
     elif name == "03_launch_api":
         assert "{0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}" in text
         assert "first to fail: 1" in text and "results kept: {0: 'ok'}" in text
+    elif name == "05_sessions":
+        values = [o["data"]["text/plain"] for c in nb.cells if c.cell_type == "code" and "train(40)" in c.source
+                  for o in c.outputs if o.get("output_type") == "execute_result"]
+        assert len(values) == 2 and float(values[1]) < float(values[0]), f"the same model trains on: {values}"
+        assert "idle again, their state kept" in text, "the stopped loop kept the ranks and their state"
+        assert "===== rank 0" in text and "===== rank 1" in text, "%dist_stacks shows every rank"
+        assert "__0_0.distcp" in text and "__1_0.distcp" in text, "FSDP2's sharded checkpoint, one file per rank"
+        assert "stopped (2 ranks)" in text and "no nbdist ranks are running" in text
     else:
         assert "world of 4" in text and "world of 2" in text
         assert "{0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}" in text, "launcher='mpirun'"

@@ -65,6 +65,17 @@ def test_state_lives_across_cells_a_ddp_model_trains_over_three(session):
     print(f"trivial session cell: {(time.monotonic() - t0) * 1e3:.1f} ms")
 
 
+def test_display_and_figures_from_ranks_arrive_as_mime_bundles(session):
+    cell = session.execute("import matplotlib.pyplot as plt\nfrom IPython.display import display, Markdown\n"
+                           "plt.plot([1, 2])\nplt.show()\ndisplay(Markdown('**done**'))", join=False)
+    cell.wait(60)
+    by_rank = {r: [d.data for d in cell.displays if d.rank == r] for r in (0, 1)}
+    for bundles in by_rank.values():
+        assert [sorted(b) for b in bundles] == [["image/png", "text/plain"], ["text/markdown", "text/plain"]]
+        assert bundles[1]["text/markdown"] == "**done**"
+    assert session.execute("1") == {0: 1, 1: 1}
+
+
 def test_ranks_push_pull_and_the_others_stay_idle(session):
     session.push(base=10)
     assert session.execute("import os\nseen = base + int(os.environ['RANK'])\nseen", ranks=[1]) == {1: 11}

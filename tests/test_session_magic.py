@@ -119,3 +119,21 @@ def test_a_killed_kernel_leaves_no_session_rank(kernel):
     t0 = time.monotonic()
     wait_for(lambda: not marked_pids(sid), 3, what="the session's ranks to die with the kernel")
     print(f"kernel SIGKILL -> session gone in {time.monotonic() - t0:.2f} s")
+
+
+def test_rich_output_rank_0s_figure_is_the_cells_own_and_the_others_go_to_their_tab(kernel):
+    kernel.run("%dist_start -n 2")
+    res = kernel.run("%%distributed\nimport torch.distributed as dist\nimport matplotlib.pyplot as plt\n"
+                     "from IPython.display import display, HTML\n"
+                     "plt.plot([1, 3, 2])\nplt.title(f'loss on rank {dist.get_rank()}')\nplt.show()\n"
+                     "display(HTML(f'<b>hello from rank {dist.get_rank()}</b>'))\nprint('text still streams')")
+    assert res.status == "ok", res.error_text
+    pngs = [d for d in res.displays if "image/png" in d]
+    html = [d["text/html"] for d in res.displays if "text/html" in d]
+    assert len(pngs) == 1 and html == ["<b>hello from rank 0</b>"], res.displays
+    tab_outputs = [o for outs in res.widget_outputs.values() for o in outs if o.get("output_type") == "display_data"]
+    assert any("hello from rank 1" in str(o["data"].get("text/html")) for o in tab_outputs), tab_outputs
+    assert any("image/png" in o["data"] for o in tab_outputs), "rank 1's figure is in its tab"
+    assert "hello from rank 0" not in str(tab_outputs)
+    assert any("text still streams" in t for t in res.widget_text())
+    kernel.run("%dist_stop")

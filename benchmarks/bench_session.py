@@ -1,0 +1,102 @@
+"""Session cells against the baselines, measured in the same run, through a real kernel.
+
+    .venv/bin/pip install -e '.[bench]'      # ipyparallel: the %px baseline
+    .venv/bin/python benchmarks/bench_session.py [--repeat 20] [--nprocs 4]
+
+In one kernel (jupyter_client): a plain ``x = 1`` cell; ``%%distributed`` cells in a live 4-rank
+session (a trivial statement, and one gloo all_reduce); ipyparallel's ``%px`` on 4 engines (the
+same two cells). Then the stop button on a busy session cell (time until the ranks are idle,
+state kept), and the CPU that an idle session's ranks use. Prints medians and ratios; it asserts
+nothing (goals, not tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+
+def _times(k, code: str, repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        res = k.run(code)
+        assert res.status == "ok", res.error_text or res.stderr
+        out.append(res.seconds)
+    return out
+
+
+def main() -> None:
+    import psutil
+    from kernel_client import Kernel
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--nprocs", type=int, default=4)
+    args = parser.parse_args()
+    n, r, med = args.nprocs, args.repeat, statistics.median
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        assert k.run("%load_ext nbdist").status == "ok"
+        k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().wait_ready(120)")
+        assert k.run(f"%dist_start -n {n}").status == "ok"
+        k.run("from nbdist.session_magic import live_session\nlive_session().wait_ready(120)")
+        setup = k.run("%%distributed --view text\nimport torch, torch.distributed as dist\nx = 0")
+        assert setup.status == "ok", setup.error_text
+        trivial = "x = 1"
+        reduce = "t = torch.ones(1)\ndist.all_reduce(t)"
+        plain = _times(k, trivial, r)
+        sess_trivial = _times(k, f"%%distributed --view text\n{trivial}", r)
+        sess_reduce = _times(k, f"%%distributed --view text\n{reduce}", r)
+
+        # The stop button on a busy cell: until the kernel answers, the ranks idle, their state kept.
+        stops = []
+        for _ in range(5):
+            msg = k.send("%%distributed --view text\nimport time\nwhile True:\n    time.sleep(0.001)")
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            k.km.interrupt_kernel()
+            res = k.collect(msg, timeout=30)
+            assert res.status == "error" and "state kept" in res.error_text, res.error_text
+            stops.append(time.monotonic() - t0)
+        assert k.run("%%distributed --view text\nx").result == "1"
+
+        pids = [int(p) for p in k.run("list(live_session().pids.values())").result.strip("[]").split(",")]
+        procs = [psutil.Process(p) for p in pids]
+        time.sleep(1.0)
+        before = [sum(p.cpu_times()[:2]) for p in procs]
+        time.sleep(5.0)
+        idle_cpu = sum(sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before))
+        k.run("%dist_stop")
+
+        # ipyparallel's %px on n engines, in the same kernel.
+        res = k.run(f"import ipyparallel as ipp\nrc = ipp.Cluster(n={n}, log_level=40).start_and_connect_sync()\n"
+                    f"rc.wait_for_engines({n}, timeout=120)\nrc[:].activate()\n"
+                    "rc[:].execute('import torch, torch.distributed', block=True)\nlen(rc)", timeout=300)
+        assert res.status == "ok" and res.result == str(n), res.error_text
+        px_trivial = _times(k, f"%px {trivial}", r)
+        px_local = _times(k, "%px t = torch.ones(1); t.add_(1)", r)
+        k.run("rc.cluster.stop_cluster_sync()", timeout=120)
+    finally:
+        k.shutdown()
+
+    ms = 1e3
+    print(f"{n} ranks, medians of {r} cells through a real kernel")
+    print(f"  plain 'x = 1' cell                          {med(plain) * ms:7.1f} ms")
+    print(f"  session cell 'x = 1'                        {med(sess_trivial) * ms:7.1f} ms"
+          f"   +{(med(sess_trivial) - med(plain)) * ms:5.1f} ms over the plain cell (goal <= 5 ms)")
+    print(f"  session cell, one all_reduce                {med(sess_reduce) * ms:7.1f} ms")
+    print(f"  ipyparallel %px 'x = 1' on {n} engines        {med(px_trivial) * ms:7.1f} ms"
+          f"   session is {med(px_trivial) / med(sess_trivial):4.1f}x faster (goal >= 2x)")
+    print(f"  ipyparallel %px, a local tensor op          {med(px_local) * ms:7.1f} ms")
+    print(f"  stop button -> ranks idle, state kept       {med(stops) * ms:7.1f} ms (median of {len(stops)})")
+    print(f"  idle session: {idle_cpu:.3f} CPU-seconds over 5 s for {n} ranks")
+
+
+if __name__ == "__main__":
+    main()
