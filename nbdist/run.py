@@ -150,6 +150,9 @@ class Run:
         """How a view names it."""
         return f"run {self.run_id}"
 
+    # A one-shot run says how it ended (time, logs); a session cell that finished says nothing more.
+    quiet_when_finished = False
+
     def global_rank(self, local: int) -> int:
         return self.spec.identity_for(local).rank
 

@@ -32,6 +32,9 @@ CELL_TERMINAL = ("finished", "failed", "interrupted", "lost")
 class CellHandle:
     """A cell (or function) running on some ranks of a session.
 
+    A text view prints nothing more for a cell that finished (its output is all there is), as a
+    kernel does for a plain cell.
+
     Attributes
     ----------
     cell_id : int
@@ -73,6 +76,7 @@ class CellHandle:
         self.run_dir = cell_dir
         self.log_dir = session.run_dir  # each rank's log is one file for the whole session
         self.label = f"session {session.session_id} · cell {cell_id}"
+        self.quiet_when_finished = True
         self.nprocs = len(self.targets)
         self.ranks = {r: RankStatus(r, "running", pid=session.pids.get(r)) for r in self.targets}  # as Run.ranks
         self.report: str | None = None

@@ -144,7 +144,7 @@ class TextView(_Buffered):
             if shown.rank == self._first_rank() and self._in_cell and _display_raw(shown):
                 continue  # rank 0's rich output is the cell's own, as it would be in the kernel
             out.append(f"[rank {shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")
-        if final:
+        if final and not (self.run.status == "finished" and self.run.quiet_when_finished):
             out.append(f"nbdist: {format_report_line(self.run)}  (logs: {self.run.log_dir})\n")
         if out:
             self.stream.write("".join(out))
