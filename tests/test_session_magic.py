@@ -72,14 +72,16 @@ def test_a_session_keeps_the_model_between_cells_and_shows_each_cells_output(ker
     wait_for(lambda: not marked_pids(sid), 3, what="the session's ranks to go")
 
 
-def test_errors_show_cell_lines_and_the_stop_button_keeps_the_state(kernel):
+def test_errors_show_cell_lines_and_the_stop_button_keeps_the_state(kernel, tmp_path):
     kernel.run("%dist_start -n 2")
     res = kernel.run("%%distributed --view text\nimport time, torch.distributed as dist\nkept = [1, 2, 3]\n"
                      "def shard(r):\n    raise KeyError(f'shard {r}')\nshard(dist.get_rank())")
     assert res.status == "error" and res.error["ename"] == "WorkerFailedError", res.error_text
     assert "KeyError" in res.error_text and 'cell.py", line 6' in res.error_text and 'line 5' in res.error_text
-    msg_id = kernel.send("%%distributed --view text\nn = 0\nwhile True:\n    n += 1\n    time.sleep(0.001)")
-    time.sleep(1.5)
+    ready = tmp_path / "looping"
+    msg_id = kernel.send(f"%%distributed --view text\nn = 0\nopen({str(ready)!r} + str(dist.get_rank()), 'w').close()\n"
+                         "while True:\n    n += 1\n    time.sleep(0.001)")
+    wait_for(lambda: len(list(tmp_path.glob("looping*"))) == 2, 60, what="both ranks in the loop")
     t0 = time.monotonic()
     kernel.km.interrupt_kernel()
     res = kernel.collect(msg_id, timeout=30)
