@@ -239,9 +239,20 @@ def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
     bind_device(identity.local_rank, backend)
     if dist.is_initialized():
         return False
-    dist.init_process_group(
-        backend=backend, init_method=spec.init_method, rank=identity.rank, world_size=identity.world_size
-    )
+    # torch's store-based barrier after the group is made: no rank runs (and, with a short cell,
+    # exits) before every peer has finished connecting, or a slow peer's gloo mesh fails with
+    # "Connection closed by peer". Set for this call only: the user's own new_group() is untouched.
+    saved = os.environ.get("TORCH_DIST_INIT_BARRIER")
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+    try:
+        dist.init_process_group(
+            backend=backend, init_method=spec.init_method, rank=identity.rank, world_size=identity.world_size
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+        else:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = saved
     return True
 
 

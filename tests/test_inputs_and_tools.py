@@ -188,13 +188,18 @@ def test_core_imports_without_ipython_or_ipywidgets(tmp_path):
         "sys.meta_path.insert(0, Block())\n"
         "import nbdist, nbdist.run, nbdist.api, nbdist.worker, nbdist.streams, nbdist.proctree\n"
         "import nbdist.payload, nbdist.launchers.spawn, nbdist.launchers.attach, nbdist.cli\n"
+        "import nbdist.options, nbdist.start, nbdist.stacks, nbdist.session, nbdist.session_cell\n"
+        "import nbdist.session_rank, nbdist.rank_display\n"
         "def fn():\n"
         "    return sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'ipywidgets'))\n"
         "if __name__ == '__main__':\n"
         "    print('RESULT', nbdist.launch(fn, nprocs=2), fn())\n"
+        "    with nbdist.Session(nprocs=2) as s:\n"
+        "        print('SESSION', s.run(len, 'ab'), fn())\n"
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
     assert "RESULT {0: [], 1: []} []" in out.stdout, out.stdout + out.stderr
+    assert "SESSION {0: 2, 1: 2} []" in out.stdout, out.stdout + out.stderr
 
 
 def test_packaging_lists_agree():

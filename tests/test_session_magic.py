@@ -139,3 +139,19 @@ def test_rich_output_rank_0s_figure_is_the_cells_own_and_the_others_go_to_their_
     assert "hello from rank 0" not in str(tab_outputs)
     assert any("text still streams" in t for t in res.widget_text())
     kernel.run("%dist_stop")
+
+
+@pytest.mark.parametrize("how", ["restart", "shutdown"])
+def test_kernel_restart_and_closing_the_notebook_leave_no_session_rank(kernel, how):
+    kernel.run("%dist_start -n 2")
+    kernel.run("%%distributed --view text\nimport torch\nx = torch.ones(1)")
+    sid = _session_id(kernel)
+    res = kernel.run("%dist_ps")
+    assert sid in res.stdout and res.stdout.count(sid) >= 2, "%dist_ps lists the session's ranks"
+    t0 = time.monotonic()
+    if how == "restart":
+        kernel.km.restart_kernel(now=True)  # the kernel menu's Restart
+    else:
+        kernel.km.shutdown_kernel(now=False)  # closing the notebook: a polite shutdown, atexit runs
+    wait_for(lambda: not marked_pids(sid), 3, what=f"the session's ranks to go with a kernel {how}")
+    print(f"kernel {how} -> session gone in {time.monotonic() - t0:.2f} s")
