@@ -31,7 +31,7 @@ from .stacks import read_dump
 from .streams import OutputChunk, RankOutput
 from .worker import STACK_DUMP_SIGNAL
 
-__all__ = ["Run", "RankStatus", "RunEvent", "KILL_LADDER", "INTERRUPT_LADDER"]
+__all__ = ["Run", "RankStatus", "RunEvent", "EventSource", "KILL_LADDER", "INTERRUPT_LADDER"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,47 @@ class RunEvent:
     detail: object = None
 
 
-class Run:
+class EventSource:
+    """Subscribers, and what a late one is sent first: the lines kept, the rank states, the end.
+
+    What a view subscribes to: a :class:`Run`, or a session's cell (:mod:`nbdist.session_cell`).
+    """
+
+    def _replay(self, callback, lines_by_rank: dict, extra=()) -> None:
+        for rank, lines in lines_by_rank.items():
+            by_stream: dict[str, list[str]] = {}
+            for stream, line in list(lines):
+                by_stream.setdefault(stream, []).append(line)
+            for stream, chunk in by_stream.items():
+                callback(OutputChunk(rank, stream, chunk, ""))
+        for event in extra:
+            callback(event)
+        for r, st in self.ranks.items():
+            callback(RunEvent(st.status, self.global_rank(r), st))
+        if self.done:
+            callback(RunEvent(self.status, None, self.error or self.report))
+
+    def _wait_until_done(self, timeout: float | None) -> None:
+        """Block until done. KeyboardInterrupt interrupts (then propagates); ``timeout`` only limits
+        the wait: on expiry TimeoutError is raised and the work goes on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._done.wait(0.1):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.label} still {self.status} after {timeout} s")
+        except KeyboardInterrupt:
+            self.interrupt()
+            raise
+
+    def _emit(self, event) -> None:
+        for cb in list(self._subscribers):
+            try:
+                cb(event)
+            except Exception:  # a broken view must never stop the bookkeeping
+                log.exception("nbdist view callback failed")
+
+
+class Run(EventSource):
     """A run of a function on N ranks. Made by :func:`nbdist.launch` with ``join=False``.
 
     Attributes
@@ -171,24 +211,9 @@ class Run:
 
     def _subscribe_locked(self, callback, replay: bool) -> None:
         if replay:
-            for r, out in self.outputs.items():
-                by_stream: dict[str, list[str]] = {}
-                for stream, line in list(out.lines):
-                    by_stream.setdefault(stream, []).append(line)
-                for stream, lines in by_stream.items():
-                    callback(OutputChunk(self.global_rank(r), stream, lines, ""))
-            for r, st in self.ranks.items():
-                callback(RunEvent(st.status, self.global_rank(r), st))
-            if self.done:
-                callback(RunEvent(self.status, None, self.error or self.report))
+            lines = {self.global_rank(r): out.lines for r, out in self.outputs.items()}
+            self._replay(callback, lines)
         self._subscribers.append(callback)
-
-    def _emit(self, event) -> None:
-        for cb in list(self._subscribers):
-            try:
-                cb(event)
-            except Exception:  # a broken view must never stop the run's bookkeeping
-                log.exception("nbdist view callback failed")
 
     def _set_rank_status(self, local: int, status: str, exitcode=None) -> None:
         st = self.ranks[local]
@@ -401,14 +426,7 @@ class Run:
         propagates. ``timeout`` here only limits the wait: on expiry TimeoutError is raised and the
         run goes on.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._done.wait(0.1):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"run {self.run_id} still {self.status} after {timeout} s")
-        except KeyboardInterrupt:
-            self.interrupt()
-            raise
+        self._wait_until_done(timeout)
         if self.error is not None:
             raise self.error
         return self.results

@@ -14,22 +14,19 @@ returns; the session fills it from the ranks' replies.
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 
 from .errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
-from .run import RankStatus, RunEvent
+from .run import EventSource, RankStatus, RunEvent
 from .streams import DisplayEvent, OutputChunk
-
-log = logging.getLogger(__name__)
 
 __all__ = ["CellHandle", "CELL_TERMINAL"]
 
 CELL_TERMINAL = ("finished", "failed", "interrupted", "lost")
 
 
-class CellHandle:
+class CellHandle(EventSource):
     """A cell (or function) running on some ranks of a session.
 
     A text view prints nothing more for a cell that finished (its output is all there is), as a
@@ -101,26 +98,8 @@ class CellHandle:
         """Call ``callback(event)`` for the cell's output chunks and rank states (as Run.subscribe)."""
         with self._lock:
             if replay:
-                for rank, lines in self._lines.items():
-                    by_stream: dict[str, list[str]] = {}
-                    for stream, line in list(lines):
-                        by_stream.setdefault(stream, []).append(line)
-                    for stream, chunk in by_stream.items():
-                        callback(OutputChunk(rank, stream, chunk, ""))
-                for shown in self.displays:
-                    callback(shown)
-                for rank, st in self.ranks.items():
-                    callback(RunEvent(st.status, rank, st))
-                if self.done:
-                    callback(RunEvent(self.status, None, self.error or self.report))
+                self._replay(callback, self._lines, self.displays)
             self._subscribers.append(callback)
-
-    def _emit(self, event) -> None:
-        for callback in list(self._subscribers):
-            try:
-                callback(event)
-            except Exception:  # a broken view must not stop the session's bookkeeping
-                log.exception("nbdist view callback failed")
 
     def feed(self, chunk: OutputChunk) -> None:
         """Output of a rank while this cell runs (the session forwards its ranks' log lines)."""
@@ -215,14 +194,7 @@ class CellHandle:
         KeyboardInterrupt while waiting interrupts the cell (the ranks go back to idle, their
         state kept), then propagates. ``timeout`` only limits this wait.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not self._done.wait(0.1):
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise TimeoutError(f"cell {self.cell_id} still running after {timeout} s")
-        except KeyboardInterrupt:
-            self.interrupt()
-            raise
+        self._wait_until_done(timeout)
         self.session.check_in_step(self)
         if self.error is not None:
             raise self.error

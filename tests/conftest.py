@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.resource_tracker
 import os
 import signal
@@ -210,6 +211,28 @@ def start_method(request, monkeypatch):
         request.getfixturevalue("warm_template")
     monkeypatch.setenv("NBDIST_START_METHOD", request.param)
     return request.param
+
+
+@contextlib.contextmanager
+def nbdist_kernel(start_method: str):
+    """A real IPython kernel with nbdist loaded, its launches made by ``start_method``; its warm
+    template is kept while the kernel lives, and must end with it."""
+    from kernel_client import Kernel
+
+    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", NBDIST_START_METHOD=start_method))
+    k.start_method = start_method
+    try:
+        assert k.run("%load_ext nbdist").status == "ok"
+        template = int(k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().pid").result)
+        KEPT_TEMPLATES.add(template)
+        if start_method == "warm":
+            k.run("nbdist.warmstart.current_template().wait_ready(120)")
+        yield k
+    finally:
+        k.shutdown()
+    wait_for(lambda: not psutil.pid_exists(template) or psutil.Process(template).status() == psutil.STATUS_ZOMBIE,
+             5, what="the kernel's warm template to end with it")
+    KEPT_TEMPLATES.discard(template)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -7,27 +7,15 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
-from conftest import KEPT_TEMPLATES, marked_pids, wait_for
-from kernel_client import Kernel
+from conftest import marked_pids, nbdist_kernel, wait_for
 
 
 @pytest.fixture(params=["spawn", "warm"])
 def kernel(request):
-    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", NBDIST_START_METHOD=request.param))
-    k.start_method = request.param
-    assert k.run("%load_ext nbdist").status == "ok"
-    template = int(k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().pid").result)
-    KEPT_TEMPLATES.add(template)
-    if request.param == "warm":
-        k.run("nbdist.warmstart.current_template().wait_ready(120)")
-    yield k
-    k.shutdown()
-    wait_for(lambda: not psutil.pid_exists(template) or psutil.Process(template).status() == psutil.STATUS_ZOMBIE,
-             5, what="the kernel's warm template to end with it")
-    KEPT_TEMPLATES.discard(template)
+    with nbdist_kernel(request.param) as k:
+        yield k
 
 
 def _session_id(kernel) -> str:
