@@ -302,12 +302,14 @@ def describe_exception(exc: BaseException) -> dict:
     }
 
 
-def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity, destroy_group: bool = True) -> int:
+def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity) -> int:
     """Run the payload once on this rank; write its result or error; return the exit code.
 
-    A function a loop can call: it assumes nothing about this process being new.
-    ``destroy_group=False``: the process leaves through ``os._exit`` right after, so no destructor
-    can hang on the group, and tearing it down (20-45 ms for gloo here) would only delay the exit.
+    A function a loop can call: it assumes nothing about this process being new. The group it
+    made is destroyed before it returns, also in a rank forked from the warm template that leaves
+    through ``os._exit``: the user's objects bound to it (a DDP model) are released on the way
+    out, and releasing them with the group still live aborts the process ("terminate called
+    without an active exception").
     """
     created_group = False
     try:
@@ -336,7 +338,7 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity, destroy_gro
             code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     finally:
         _flush_std()
-    if created_group and code == 0 and destroy_group:
+    if created_group and code == 0:
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -360,7 +362,7 @@ def run_spawned_rank(local_rank: int, run_dir: str, parent_pid: int | None = Non
     spec = payload.read_spec(run_dir)
     identity = spec.identity_for(local_rank)
     prepare_rank_process(run_dir, spec, identity, parent_pid=parent_pid)
-    code = run_payload(run_dir, spec, identity, destroy_group=not parent_pid)
+    code = run_payload(run_dir, spec, identity)
     if code != 0:
         # Failed or stopped: the error is on disk and the user's finally/except blocks have run.
         # Interpreter shutdown would now wait up to 5 s joining DataLoader workers (which ignore
