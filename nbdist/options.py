@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 import os
 import shlex
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from .errors import LaunchConfigError
 
@@ -155,16 +155,8 @@ class WorldOptions:
         return make_engine_launcher(self.launcher, self.launcher_args, nnodes=self.nnodes, node_rank=self.node_rank,
                                     master_addr=self.master_addr, master_port=self.master_port)
 
-    def differences(self, other: WorldOptions, names=("nprocs", "launcher", "backend", "nnodes", "node_rank")) -> list[str]:
-        """The world-shaping options where ``other`` asks for something else (None there means "any")."""
-        return [f"{self._name(k)} {getattr(other, k)!r} (this one has {getattr(self, k)!r})" for k in names
-                if getattr(other, k) is not None and getattr(other, k) != getattr(self, k)]
-
     def session_kwargs(self) -> dict:
         """The keyword arguments of :class:`nbdist.Session` these options stand for."""
         names = ("nprocs", "launcher", "backend", "env", "run_dir", "launcher_args", "nnodes", "node_rank",
                  "master_addr", "master_port", "start_method")
         return {name: getattr(self, name) for name in names}
-
-    def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "spelling"}

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import signal
 import threading
 import time
@@ -27,9 +26,8 @@ from . import payload, proctree
 from .errors import (RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError, describe_exitcode,
                      format_rank_set)
 from .payload import RunSpec
-from .stacks import read_dump
+from .stacks import dump_stacks
 from .streams import OutputChunk, RankOutput
-from .worker import STACK_DUMP_SIGNAL
 
 __all__ = ["Run", "RankStatus", "RunEvent", "EventSource", "KILL_LADDER", "INTERRUPT_LADDER"]
 
@@ -290,21 +288,9 @@ class Run(EventSource):
     def _time_out(self) -> None:
         """Dump every rank's stacks into its log (a rank still starting too), then stop the run as failed."""
         live = {r: st.pid for r, st in self.ranks.items() if st.status not in TERMINAL}
-        paths = {r: payload.log_path(self.run_dir, self.global_rank(r), "stderr") for r in live}
-        sizes = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
-        for r, pid in live.items():
-            if pid:  # a new rank holds the signal until its handler is in: it never dies of it
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, STACK_DUMP_SIGNAL)
-        dumps: dict[int, object] = {}
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and len(dumps) < sum(1 for pid in live.values() if pid):
-            time.sleep(0.05)
-            for r in live:
-                if r not in dumps and live[r]:
-                    dump = read_dump(paths[r], sizes[r])
-                    if dump is not None:
-                        dumps[r] = dump
+        # A new rank holds the dump signal until its handler is in: it never dies of it.
+        dumps = dump_stacks({r: (pid, payload.log_path(self.run_dir, self.global_rank(r), "stderr"))
+                             for r, pid in live.items()}, timeout=2.0)
         running = payload.read_running(self.run_dir)
         self._timed_out = {self.global_rank(r): (dumps.get(r), self.global_rank(r) in running) for r in live}
         starting = sorted(g for g, (_, in_code) in self._timed_out.items() if not in_code)

@@ -422,25 +422,11 @@ class Session:
 
         The answer to "is it hung, and where?". Each dump also goes into the rank's log.
         """
-        from .stacks import read_dump
-        from .worker import STACK_DUMP_SIGNAL
+        from .stacks import dump_stacks
 
         ranks = sorted(self._pids) if ranks is None else list(ranks)
-        paths = {r: payload.log_path(self.run_dir, r, "stderr") for r in ranks}
-        sizes = {r: os.path.getsize(p) if os.path.exists(p) else 0 for r, p in paths.items()}
-        for rank in ranks:
-            with contextlib.suppress(ProcessLookupError, KeyError):
-                os.kill(self._pids[rank], STACK_DUMP_SIGNAL)
-        dumps: dict = {}
-        deadline = time.monotonic() + timeout
-        while len(dumps) < len(ranks) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            for rank in ranks:
-                if rank not in dumps:
-                    dump = read_dump(paths[rank], sizes[rank])
-                    if dump is not None:
-                        dumps[rank] = dump
-        return dumps
+        return dump_stacks({r: (self._pids.get(r), payload.log_path(self.run_dir, r, "stderr")) for r in ranks},
+                           timeout)
 
 
 @atexit.register

@@ -21,10 +21,7 @@ from .errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailed
 from .run import EventSource, RankStatus, RunEvent
 from .streams import DisplayEvent, OutputChunk
 
-__all__ = ["CellHandle", "CELL_TERMINAL"]
-
-CELL_TERMINAL = ("finished", "failed", "interrupted", "lost")
-
+__all__ = ["CellHandle"]
 
 class CellHandle(EventSource):
     """A cell (or function) running on some ranks of a session.

@@ -10,11 +10,13 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import time
 from dataclasses import dataclass
 
-__all__ = ["StackDump", "parse_dump", "read_dump"]
+__all__ = ["StackDump", "parse_dump", "read_dump", "dump_stacks"]
 
 _HEADER = re.compile(r"^(Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):\s*$")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
@@ -86,3 +88,27 @@ def read_dump(path: str, offset: int) -> StackDump | None:
     except OSError:
         return None
     return parse_dump(text)
+
+
+def dump_stacks(targets: dict, timeout: float) -> dict:
+    """Ask each rank for its stack and read it back: ``{rank: StackDump}`` for those that answered.
+
+    ``targets`` maps a rank to ``(pid, its stderr log)``; a pid of None (not started yet) is not
+    signalled. A rank that holds the signal (still starting) answers once its handler is in.
+    """
+    from .worker import STACK_DUMP_SIGNAL
+
+    sizes = {r: os.path.getsize(path) if os.path.exists(path) else 0 for r, (_, path) in targets.items()}
+    asked = {r for r, (pid, _) in targets.items() if pid}
+    for rank in asked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(targets[rank][0], STACK_DUMP_SIGNAL)
+    dumps: dict = {}
+    deadline = time.monotonic() + timeout
+    while len(dumps) < len(asked) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for rank in asked - set(dumps):
+            dump = read_dump(targets[rank][1], sizes[rank])
+            if dump is not None:
+                dumps[rank] = dump
+    return dumps

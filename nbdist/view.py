@@ -141,7 +141,7 @@ class TextView(_Buffered):
             for stream, line in lines[rank]:
                 out.append(f"[rank {rank}{'!' if stream == 'stderr' else ''}] {line}\n")
         for shown in self.take_displays():
-            if shown.rank == self._first_rank() and self._in_cell and _display_raw(shown):
+            if shown.rank == self._first_rank() and self._in_cell and _show_in_cell(shown):
                 continue  # rank 0's rich output is the cell's own, as it would be in the kernel
             out.append(f"[rank {shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")
         if final and not (self.run.status == "finished" and self.run.quiet_when_finished):
@@ -303,7 +303,7 @@ class WidgetView(_Buffered):
             self.live_all.value = value
         for shown in self.take_displays():
             first = shown.rank == self._ranks[0]
-            if not (first and self._in_cell and _display_raw(shown)) and shown.rank in self.outputs:
+            if not (first and self._in_cell and _show_in_cell(shown)) and shown.rank in self.outputs:
                 out = self.outputs[shown.rank]  # other ranks' rich output goes into their tab
                 out.outputs = (*out.outputs, {"output_type": "display_data", "data": shown.data,
                                               "metadata": shown.metadata})
@@ -331,8 +331,11 @@ _VIEW_CSS = """<style>
 </style>"""
 
 
-def _display_raw(shown: DisplayEvent) -> bool:
-    """Show a rank's MIME bundle as the cell's own output (True), where IPython is there to do it."""
+def _show_in_cell(shown: DisplayEvent) -> bool:
+    """Show a rank's MIME bundle as the cell's own output; False (nothing shown) without IPython.
+
+    Callers try this first for rank 0 and fall back to the rank's tab or a text line.
+    """
     try:
         from IPython import get_ipython
         from IPython.display import display

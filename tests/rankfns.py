@@ -150,8 +150,10 @@ def takes_anything(*args):
     return len(args)
 
 
-def flood(lines=300_000, width=60):
-    """Print ``lines`` numbered lines as fast as a rank can, then one last line."""
+def flood(lines=300_000, width=60, after=1.0):
+    """After ``after`` seconds (the test's views are attached by then), print ``lines`` numbered
+    lines as fast as a rank can, then one last line."""
+    time.sleep(after)
     rank = os.environ["RANK"]
     pad = "x" * (width - 24)
     for start in range(0, lines, 10_000):

@@ -67,12 +67,14 @@ def test_a_flood_ends_with_the_last_line_in_view_and_bounded_kernel_memory():
     me = psutil.Process()
     rss0 = me.memory_info().rss
     peak = [rss0]
+    from nbdist.streams import OutputChunk
+
     run = nbdist.launch(rankfns.flood, nprocs=2, init_process_group=False, join=False)
+    notes = {0: [], 1: []}  # the lines that say where output was skipped, as every view gets them
+    run.subscribe(lambda e: isinstance(e, OutputChunk) and notes[e.rank].extend(
+        line for line in e.lines if line.startswith("[nbdist: ") and "skipped here" in line))
     view = WidgetView(run)  # the real widget view (no frontend here: its models still hold the outputs)
     view.start_flusher()
-    notes = {0: [], 1: []}  # the lines that say where output was skipped, as every view gets them
-    run.subscribe(lambda e: notes[e.rank].extend(line for line in getattr(e, "lines", ())
-                                                  if line.startswith("[nbdist: ") and "skipped here" in line))
     while not run.done:
         peak[0] = max(peak[0], me.memory_info().rss)
         run._done.wait(0.05)
