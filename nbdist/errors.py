@@ -114,11 +114,13 @@ class WorkerFailedError(RuntimeError):
         Where the full logs and tracebacks are kept.
     """
 
-    def __init__(self, failures: dict[int, RankFailure], results=None, run_dir=None, reason=None, elsewhere=()):
+    def __init__(self, failures: dict[int, RankFailure], results=None, run_dir=None, reason=None, elsewhere=(),
+                 note=None):
         self.failures = dict(failures)
         self.results = dict(results or {})
         self.run_dir = run_dir
         self.reason = reason
+        self.note = note  # what nbdist did after the failure (a session re-formed its group)
         # Ranks of the world that other kernels (other nodes) run: the root cause may be there.
         self.elsewhere = sorted(elsewhere)
         self.rank = self._root_cause_rank()
@@ -150,6 +152,8 @@ class WorkerFailedError(RuntimeError):
             lines.extend((root.user_traceback or root.traceback).rstrip().split("\n"))
         if root is not None and root.hint:
             lines.append(f"hint: {root.hint}")
+        if self.note:
+            lines.append(f"nbdist: {self.note}")
         if self.run_dir and root is not None:
             lines.append(f"full traceback: {self.run_dir}/rank{root.rank}.stderr")
         elif self.run_dir:
@@ -183,6 +187,8 @@ class WorkerFailedError(RuntimeError):
                 lines.append(f.traceback.rstrip())
             if f.hint:
                 lines.append(f"hint: {f.hint}")
+        if self.note:
+            lines.append(f"nbdist: {self.note}")
         if self.run_dir:
             lines.append(f"logs: {self.run_dir}")
         return "\n".join(lines)

@@ -80,6 +80,7 @@ class RunSpec:
     kernel_host: str | None = None  # ranks on another host mirror their output over the channel
     output_channel: list | None = None  # [host, port] of the kernel's OutputChannel, or None
     output_key: str | None = None  # the channel's HMAC key (this file is 0600 in a 0700 folder)
+    reformable: bool = False  # a session's ranks: groups it can re-form in place (nbdist.reform)
     created: float = field(default_factory=time.time)
 
     def identity_for(self, local_rank: int, node_rank: int | None = None) -> RankIdentity:

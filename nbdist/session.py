@@ -34,13 +34,17 @@ from .errors import LaunchConfigError, SessionLostError, format_rank_set
 from .options import WorldOptions
 from .session_cell import CellHandle
 from .streams import OutputChunk
-from .session_rank import SESSION_KEY_FILE, count_collectives, get_name, serve_session, set_names, set_nodelay
+from .session_rank import SESSION_KEY_FILE, get_name, serve_session, set_names, set_nodelay
 
 __all__ = ["Session"]
 
-STUCK_AFTER_S = 3.0  # a rank that doesn't answer the stop button within this is stuck in C code
-# After a peer raised, the others are released sooner: the error must show within about 2 s.
-RELEASE_AFTER_S = 1.2
+# A rank in Python answers SIGINT within milliseconds; one still busy after this waits in C code,
+# most likely a collective that a peer left: the free ranks then drop their connections.
+RELEASE_AFTER_S = 0.5
+# After a peer raised, its peers are released sooner: the error must show within about 2 s.
+RELEASE_AFTER_PEER_FAILED_S = 0.3
+STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck for good (C code)
+
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -88,6 +92,10 @@ class Session:
         self._conns: dict[int, object] = {}
         self._pids: dict[int, int] = {}
         self._active: CellHandle | None = None
+        self._recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
+        self._send_lock = threading.Lock()
+        self._generation = 0  # of the ranks' process groups, one more per re-forming
+        self.last_reform: dict | None = None  # each rank's timings of the last re-forming (nbdist.recovery)
         self._cells = 0
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
         self._ready = threading.Event()
@@ -111,7 +119,8 @@ class Session:
 
         try:
             self.rank_run = start_run(serve_session, (self.run_dir, self.address), {}, self.options,
-                                      launcher=engine, run_id=self.session_id, run_dir=self.run_dir)
+                                      launcher=engine, run_id=self.session_id, run_dir=self.run_dir,
+                                      reformable=True)
         except BaseException as exc:  # start-or-close already stopped what it started
             with self._lock:
                 self.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
@@ -182,16 +191,48 @@ class Session:
         last = cell.record_done(rank, kind, body, offsets, self._pids.get(rank))
         if last:
             self._settle(cell)
-        elif kind == "failed":
+        elif kind == "failed" and not cell.internal:
             # Its peers may wait for it in a collective: release them as the stop button would.
-            threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_S), daemon=True).start()
+            threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
+                             daemon=True).start()
 
     def _settle(self, cell: CellHandle) -> None:
         self.rank_run._pump_output()  # the cell's output is in the logs before the cell says it is done
+        if cell.internal:
+            cell.finish()
+            return
+        if cell.failures or cell.interrupted:
+            with self._lock:
+                self._recovering = cell
+            # Not on this thread: it reads the ranks' replies, which bringing them in step needs.
+            threading.Thread(target=self._recover, args=(cell,), daemon=True).start()
+            return
+        self._become_idle(cell)
+
+    def _become_idle(self, cell: CellHandle) -> None:
         with self._lock:  # idle before the cell says it is done: the caller's next cell must find it so
-            if self.status == "busy" and self._active is cell:
+            if self.status == "busy":
                 self.status = "idle"
+            self._recovering = None
         cell.finish()
+
+    def _recover(self, cell: CellHandle) -> None:
+        """After a failed or interrupted cell: make sure every group is in step, re-forming it in place
+        when a rank was released from a collective or the ranks stopped at different collectives."""
+        from .recovery import bring_in_step
+
+        try:
+            cell.note = bring_in_step(self, cell)
+        except SessionLostError as exc:
+            cell.lose(exc)
+            return
+        except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
+            self._lose(f"the session was stopped: its ranks could not be brought back in step after the "
+                       f"{'failed' if cell.failures else 'interrupted'} cell ({type(exc).__name__}: {exc}); the state is lost; restart() "
+                       f"brings new ranks")
+            cell.lose(SessionLostError(self.lost_reason))
+            return
+        self._become_idle(cell)
 
     def _on_run_event(self, event) -> None:
         """The session run ended by itself: a rank died, and the run took the whole tree down."""
@@ -214,8 +255,9 @@ class Session:
             self.status = "broken"
         self._ready.set()
         self._wake_listener()
-        if self._active is not None:
-            self._active.lose(SessionLostError(self.lost_reason, self.rank_run.error))
+        for cell in (self._active, self._recovering):
+            if cell is not None:
+                cell.lose(SessionLostError(self.lost_reason, self.rank_run.error))
 
     def _lose(self, reason: str) -> None:
         """Stop the session, whole tree, because a rank can't be brought back."""
@@ -238,7 +280,7 @@ class Session:
             return
         if was in ("idle", "busy"):
             for conn in list(self._conns.values()):
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(OSError), self._send_lock:
                     conn.send(("close",))
             if was == "busy":  # the cell is interrupted first; the ranks then read "close"
                 for rank in self._active.busy_ranks():
@@ -250,8 +292,9 @@ class Session:
             self.rank_run.kill()
         for conn in list(self._conns.values()):
             conn.close()
-        if self._active is not None:
-            self._active.lose(SessionLostError("the session was closed"))
+        for cell in (self._active, self._recovering):
+            if cell is not None:
+                cell.lose(SessionLostError("the session was closed"))
         _LIVE.discard(self)
 
     def restart(self) -> None:
@@ -321,26 +364,8 @@ class Session:
         """``{rank: value}`` of ``name`` in each rank's namespace."""
         return self.run(get_name, name, ranks=ranks)
 
-    def check_in_step(self, cell: CellHandle) -> None:
-        """After a cell that ended abnormally (a rank raised or was interrupted), make sure no rank
-        left a collective that its peers did not issue; if one did, the process group is out of step
-        and every later collective could hang or sum the wrong tensors: the session is stopped, said.
-        Called once per cell, before its result is given (and before the next cell)."""
-        if cell.checked or cell.status not in ("failed", "interrupted") or self.status != "idle":
-            cell.checked = True
-            return
-        cell.checked = True
-        counts = self._submit(lambda d: payload.write_payload(d, count_collectives, (), {}), None, None,
-                              check=False).wait(30)
-        if len(set(counts.values())) > 1:
-            where = ", ".join(f"rank {r} after {n}" for r, n in sorted(counts.items()))
-            self._lose(f"the session was stopped: the {cell.status} cell left its ranks at different collectives "
-                       f"({where}), so the process group is out of step and the next collective could hang or "
-                       f"give wrong results; the state is lost; restart() brings new ranks")
-            cell.lose(SessionLostError(self.lost_reason), replace=True)
-
-    def _submit(self, write, ranks, timeout, check=True) -> CellHandle:
-        targets = self.prepare(ranks, check)
+    def _submit(self, write, ranks, timeout) -> CellHandle:
+        targets = self.prepare(ranks)
         cell_dir = self.new_cell_dir()
         try:
             write(cell_dir)
@@ -349,15 +374,12 @@ class Session:
             raise
         return self.start_cell(cell_dir, targets, timeout)
 
-    def prepare(self, ranks=None, check: bool = True) -> list[int]:
+    def prepare(self, ranks=None) -> list[int]:
         """Wait until the session can take a cell; return the ranks it will run on.
 
         Raises SessionLostError when it can't (lost, closed), RuntimeError while a cell runs.
         """
         self.wait_ready()  # a cell sent while the session starts waits for it
-        if check and self._active is not None and self._active.done:
-            self.check_in_step(self._active)
-            self.wait_ready()
         targets = sorted(self._conns) if ranks is None else sorted(set(ranks))
         unknown = [r for r in targets if r not in self._conns]
         if unknown or not targets:
@@ -375,15 +397,17 @@ class Session:
         os.makedirs(cell_dir, mode=0o700)
         return cell_dir
 
-    def start_cell(self, cell_dir: str, targets: list[int], timeout=None) -> CellHandle:
-        """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once."""
+    def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False) -> CellHandle:
+        """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once.
+
+        ``internal``: nbdist's own call while it brings the ranks in step after a user's cell.
+        """
         with self._lock:
-            if self.status != "idle":
+            if self.status != ("busy" if internal else "idle"):
                 raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
-            cell = self._active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir)
+            cell = self._active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal)
             self.status = "busy"
-        for rank in targets:
-            self._conns[rank].send(("cell", cell.cell_id, cell_dir))
+        self._send(targets, ("cell", cell.cell_id, cell_dir))
         if timeout is not None:
             timer = threading.Timer(timeout, self.interrupt_cell, args=(cell,))
             timer.daemon = True
@@ -395,20 +419,38 @@ class Session:
         if self._active is not None and not self._active.done:
             self.interrupt_cell(self._active)
 
-    def interrupt_cell(self, cell: CellHandle, grace: float = STUCK_AFTER_S) -> None:
-        """SIGINT to every busy rank (through the OS, not the busy loop); stuck ones end the session."""
+    def _send(self, ranks, message) -> None:
+        with self._send_lock:  # the stop button's thread and the cell's may both write
+            for rank in ranks:
+                self._conns[rank].send(message)
+
+    def interrupt_cell(self, cell: CellHandle, release_after: float = RELEASE_AFTER_S) -> None:
+        """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
+        ``release_after`` waits in C code: the free ranks drop their group connections, which fails
+        the collective it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
         busy = cell.busy_ranks()
         for rank in busy:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._pids[rank], signal.SIGINT)
-        if cell._done.wait(grace) or not busy:
+        if not busy or cell.answered.wait(release_after):
+            return
+        waiting = cell.busy_ranks()
+        free = [r for r in sorted(self._conns) if r not in waiting]
+        with self._lock:
+            release = bool(free) and not cell.released and self.status == "busy" and self._active is cell
+            if release:
+                cell.released = waiting
+        if release:
+            self._send(free, ("release",))
+        if cell.answered.wait(STUCK_AFTER_S):
             return
         stuck = cell.busy_ranks()
         if not stuck or self.status in ("broken", "closed"):
             return
         where = self._dump_stacks(stuck)
+        freed = "" if free else "; no rank was free to release it"
         self._lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
-                   f"{grace:g} s (stuck in C code{where}, e.g. a collective whose peers will not come); "
+                   f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
                    f"their state is lost; restart() brings new ranks")
 
     def _dump_stacks(self, ranks) -> str:

@@ -52,8 +52,9 @@ class CellHandle(EventSource):
     >>> cell.interrupt()      # back to idle, the model and optimizer kept
     """
 
-    def __init__(self, session, cell_id: int, ranks: list[int], cell_dir: str):
+    def __init__(self, session, cell_id: int, ranks: list[int], cell_dir: str, internal: bool = False):
         self.session = session
+        self.internal = internal  # nbdist's own call (bringing the ranks in step), not a user's cell
         self.cell_id = cell_id
         self.targets = list(ranks)
         self.cell_dir = cell_dir
@@ -63,7 +64,8 @@ class CellHandle(EventSource):
         self.interrupted: set[int] = set()
         self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
         self.error: BaseException | None = None
-        self.checked = False  # the session checked that its ranks are still in step after it
+        self.released: list[int] = []  # ranks freed from a collective by dropping their peers' connections
+        self.note: str | None = None  # what the session did to bring the ranks in step after this cell
         self.started = time.monotonic()
         self.ended: float | None = None
         self.run_id = f"{session.session_id}/{cell_id}"
@@ -77,6 +79,7 @@ class CellHandle(EventSource):
         self._subscribers: list = []
         self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
         self.displays: list[DisplayEvent] = []  # rich output, in order (replayed too)
+        self.answered = threading.Event()  # every targeted rank replied (the cell is done once in step)
         self._done = threading.Event()
         self._lock = threading.RLock()
 
@@ -144,7 +147,10 @@ class CellHandle(EventSource):
             else:
                 self.failures[rank] = _failure_from(rank, pid, body)
             self._set_rank(rank, kind)
-            return not self.busy_ranks()
+            if self.busy_ranks():
+                return False
+            self.answered.set()
+            return True
 
     def finish(self) -> None:
         """Every targeted rank answered: settle the cell's status and error."""
@@ -154,10 +160,12 @@ class CellHandle(EventSource):
             results = dict(sorted(self.results.items()))
             if self.failures:
                 self.status = "failed"
-                self.error = WorkerFailedError(self.failures, results, self.cell_dir)
+                self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note)
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
+                if self.note:
+                    self.report += f"; {self.note}"
                 self.error = RunStoppedError("interrupted", results, self.cell_dir, self.report)
             else:
                 self.status = "finished"
@@ -192,7 +200,6 @@ class CellHandle(EventSource):
         state kept), then propagates. ``timeout`` only limits this wait.
         """
         self._wait_until_done(timeout)
-        self.session.check_in_step(self)
         if self.error is not None:
             raise self.error
         return dict(sorted(self.results.items()))
@@ -200,10 +207,13 @@ class CellHandle(EventSource):
     def interrupt(self) -> None:
         """Raise KeyboardInterrupt in the user code of every busy rank; wait until they are idle.
 
-        A rank that can't be brought back within a few seconds (stuck in C code) is dumped and
-        the session is stopped, whole tree; the cell then says which rank was stuck.
+        A rank left in a collective is released (its peers drop their connections) and the
+        groups are re-formed in place. A rank that can't be brought back within a few seconds
+        (stuck in C code) is dumped and the session is stopped, whole tree; the cell then says
+        which rank was stuck.
         """
         self.session.interrupt_cell(self)
+        self._done.wait(60)  # the ranks answered; the session brings them in step, then the cell ends
 
 
 def _failure_from(rank: int, pid, info: dict) -> RankFailure:

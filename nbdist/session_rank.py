@@ -25,7 +25,8 @@ from multiprocessing.connection import Client
 
 from . import payload
 
-__all__ = ["serve_session", "set_nodelay", "SESSION_KEY_FILE", "load_value", "set_names", "get_name", "count_collectives"]
+__all__ = ["serve_session", "set_nodelay", "SESSION_KEY_FILE", "load_value", "set_names", "get_name",
+           "count_collectives", "reform_groups", "reset_ddp_reducers"]
 
 SESSION_KEY_FILE = "session.key"
 
@@ -58,21 +59,25 @@ def _log_offsets() -> tuple[int, int]:
 
 
 _IN_USER_CODE = False
+_STOPPED = False  # the stop button reached this cell (its error, if any, is the release's)
 
 
 def _on_sigint(signum, frame):
     """The stop button interrupts the user's code and nothing else: one that comes while the rank
     waits for a cell or reports one is dropped (the kernel only sends it to busy ranks)."""
+    global _STOPPED
     if _IN_USER_CODE:
+        _STOPPED = True
         raise KeyboardInterrupt
 
 
 def _run_one(cell_dir: str, rank: int):
     """Run the cell's payload, interruptible; return ``(kind, body)`` for the kernel."""
-    global _IN_USER_CODE
+    global _IN_USER_CODE, _STOPPED
     from .worker import describe_exception
 
     fn, args, kwargs, _extra = payload.read_payload(cell_dir)
+    _STOPPED = False
     try:
         try:
             _IN_USER_CODE = True
@@ -85,6 +90,9 @@ def _run_one(cell_dir: str, rank: int):
     except BaseException as exc:  # SystemExit too: the rank lives on, the cell failed
         _IN_USER_CODE = False
         info = describe_exception(exc)
+        if _STOPPED and info["secondary"]:
+            # Stopped in a collective: the session released it by closing the peers' connections.
+            return "interrupted", None
         sys.stderr.write(info["traceback"])
         return "failed", info
     try:
@@ -124,6 +132,9 @@ def serve_session(session_dir: str, address) -> None:
             return  # the kernel closed the session (or died: the parent watch ends us anyway)
         if message[0] == "close":
             return
+        if message[0] == "release":  # a peer is stuck in a collective this rank left: free it
+            release_groups()
+            continue
         _, cell_id, cell_dir = message
         start = _log_offsets()
         send(("started", rank, cell_id, start))
@@ -151,17 +162,44 @@ def set_names(values: dict) -> None:
     sys.modules["__main__"].__dict__.update(values)
 
 
+def _torch_groups_in_use() -> bool:
+    """Whether this rank made a process group (a session without one never imports torch here)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
 def count_collectives():
-    """How many collectives this rank's default process group has issued (None without one).
-
-    After an interrupted or failed cell, equal counts on every rank mean that no rank left a
-    collective its peers did not issue: the group is still in step.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
+    """Run on ranks after a cell ended abnormally: ``(re-formable, {group: collectives issued},
+    DDP models left mid-reduction, DDP models' fingerprints)``, or None without a process group.
+    Equal counts on every rank: the groups are still in step."""
+    if not _torch_groups_in_use():
         return None
-    return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    from . import reform
+
+    return (bool(reform.live_groups()), reform.count_collectives(), reform.count_unfinished_ddp(),
+            reform.fingerprint_ddp_models())
+
+
+def reset_ddp_reducers() -> int:
+    """Run on every rank when some DDP model's backward was stopped half-way (see :mod:`nbdist.reform`)."""
+    from . import reform
+
+    return reform.reset_ddp_reducers()
+
+
+def release_groups() -> None:
+    """Drop this rank's group connections (see :mod:`nbdist.reform`)."""
+    if _torch_groups_in_use():
+        from . import reform
+
+        reform.release_groups()
+
+
+def reform_groups(generation: int) -> dict:
+    """Run on every rank to re-form the groups in place under ``generation``."""
+    from . import reform
+
+    return reform.reform_groups(generation)
 
 
 def get_name(name: str):

@@ -21,13 +21,13 @@ __all__ = ["start_run"]
 
 
 def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=None, run_dir=None, extra=None,
-              on_event=None, rendezvous=None) -> Run:
+              on_event=None, rendezvous=None, reformable=False) -> Run:
     """Write the run dir, start the ranks with ``launcher`` (spawn by default), return the running Run.
 
     Start-or-close: if anything fails after the first process exists, everything this call
     started is stopped before the exception leaves; if it fails before, the run dir goes too.
     ``rendezvous``: where the ranks meet when another kernel hosts the store (several kernels,
-    one world).
+    one world). ``reformable``: the ranks' process groups can be re-formed in place (a session's).
     """
     from .launchers import choose_master_addr
     from .launchers.spawn import SpawnLauncher
@@ -49,6 +49,7 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
         elif rendezvous is None and launcher.hosts_rendezvous:
             rendezvous = opened = open_rendezvous(options.dist_url, world_size, host=master_addr)
         spec = _make_spec(run_id, nprocs, world_size, launcher, options, rendezvous)
+        spec.reformable = reformable
         channel = None
         if launcher.remote_ranks:
             from .channel import OutputChannel, new_channel_key

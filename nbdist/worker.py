@@ -239,6 +239,10 @@ def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
     bind_device(identity.local_rank, backend)
     if dist.is_initialized():
         return False
+    if spec.reformable and backend in ("gloo", "nccl"):
+        from . import reform
+
+        backend = reform.register(backend)  # a session can then release stuck ranks and keep the groups
     # torch's store-based barrier after the group is made: no rank runs (and, with a short cell,
     # exits) before every peer has finished connecting, or a slow peer's gloo mesh fails with
     # "Connection closed by peer". Set for this call only: the user's own new_group() is untouched.

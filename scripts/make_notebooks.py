@@ -252,6 +252,12 @@ write("05_sessions.ipynb", [
     md("Look inside: how far training got, on every rank, and each rank's stack right now."),
     code("%%distributed\nprint(f'rank {dist.get_rank()}: {len(losses)} steps, loss {losses[-1]:.4f}')\nlen(losses)"),
     code("%dist_stacks"),
+    md("A rank fails in the middle of training while its peer waits for it in DDP's gradient all-reduce. "
+       "The error (rank 1's own line) comes at once; the peer is released, the process group is re-formed "
+       "*in place* (the DDP model still holds it), and every rank is idle again with its state."),
+    raises("%%distributed\nimport time\nfor step in range(10**6):\n    if step == 5 and dist.get_rank() == 1:\n"
+           "        time.sleep(0.5)  # a slow read of a corrupt shard\n"
+           "        raise RuntimeError('corrupt shard on rank 1')\n    train(1)"),
     md("Train more: the same model, the same optimizer state."),
     code("%%distributed\nround(train(40), 4)"),
     md("FSDP2 (`fully_shard`) works the same way on CPU ranks; its sharded state is saved with "
@@ -266,14 +272,21 @@ write("05_sessions.ipynb", [
          "    if isinstance(layer, torch.nn.Linear):\n"
          "        fully_shard(layer)\n"
          "fully_shard(net)\n"
-         "fsdp_opt = torch.optim.Adam(net.parameters(), lr=1e-2)\n"
-         "for _ in range(30):\n"
-         "    fsdp_opt.zero_grad()\n"
-         "    fsdp_loss = ((net(X) - Y) ** 2).mean()\n"
-         "    fsdp_loss.backward()\n"
-         "    fsdp_opt.step()\n"
+         "fsdp_opt = torch.optim.Adam(net.parameters(), lr=1e-2)\n\n"
+         "def train_fsdp(steps):\n"
+         "    for _ in range(steps):\n"
+         "        fsdp_opt.zero_grad()\n"
+         "        fsdp_loss = ((net(X) - Y) ** 2).mean()\n"
+         "        fsdp_loss.backward()\n"
+         "        fsdp_opt.step()\n"
+         "    return round(fsdp_loss.item(), 4)\n\n"
+         "train_fsdp(30)"),
+    md("Stopped in the middle of its loop, the sharded model trains on, and its checkpoint is saved."),
+    raises("%%distributed --timeout 2\nwhile True:\n    train_fsdp(1)"),
+    code("%%distributed\n"
+         "loss = train_fsdp(30)\n"
          "dcp.save({'model': net.state_dict()}, checkpoint_id=ckpt)\n"
-         "round(fsdp_loss.item(), 4)"),
+         "loss"),
     code("import os\nsorted(os.listdir(ckpt))"),
     md("Stop the session: nothing of it is left running (the warm template stays, ready for the next start)."),
     code("%dist_stop"),

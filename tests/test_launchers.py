@@ -103,6 +103,12 @@ def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(en
         with pytest.raises(nbdist.RunStoppedError):
             cell.wait(30)
         assert s.execute("t.item()") == {0: 3.0, 1: 3.0}, "the ranks kept their state"
+        # A rank raises while its peer waits in a collective: released, the group re-formed in place.
+        with pytest.raises(nbdist.WorkerFailedError, match="(?s)bad shard.*re-formed in place"):
+            s.execute("if dist.get_rank() == 1:\n    time.sleep(0.5)\n    raise ValueError('bad shard')\n"
+                      "dist.barrier()")
+        assert s.execute("u = torch.ones(1)\ndist.all_reduce(u)\n(u.item(), t.item())") == {0: (2.0, 3.0),
+                                                                                           1: (2.0, 3.0)}
         sid = s.session_id
     wait_for(lambda: not marked_pids(sid), 15, what=f"the {engine['launcher']} session's tree to go")
 

@@ -79,6 +79,8 @@ def test_doc_notebooks_run(name, tmp_path):
                   for o in c.outputs if o.get("output_type") == "execute_result"]
         assert len(values) == 2 and float(values[1]) < float(values[0]), f"the same model trains on: {values}"
         assert "idle again, their state kept" in text, "the stopped loop kept the ranks and their state"
+        assert "rank 1 failed first" in text and "corrupt shard on rank 1" in text
+        assert "re-formed in place" in text, "the peer left in DDP's all-reduce was released, the group re-formed"
         assert "===== rank 0" in text and "===== rank 1" in text, "%dist_stacks shows every rank"
         assert "__0_0.distcp" in text and "__1_0.distcp" in text, "FSDP2's sharded checkpoint, one file per rank"
         assert "stopped (2 ranks)" in text and "no nbdist ranks are running" in text

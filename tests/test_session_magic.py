@@ -85,6 +85,40 @@ def test_errors_show_cell_lines_and_the_stop_button_keeps_the_state(kernel, tmp_
     kernel.run("%dist_stop")
 
 
+def test_a_ddp_model_survives_a_raising_rank_and_the_stop_button_with_a_rank_stuck_in_backward(kernel, tmp_path):
+    kernel.run("%dist_start -n 2")
+    res = kernel.run("%%distributed --view text\nimport pathlib, time, torch, torch.distributed as dist\n"
+                     "torch.manual_seed(0)\nmodel = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))\n"
+                     "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+                     "X = torch.randn(64, 8, generator=torch.Generator().manual_seed(dist.get_rank()))\n"
+                     "def step():\n    opt.zero_grad()\n    loss = ((model(X) - X.sum(1, keepdim=True)) ** 2).mean()\n"
+                     "    loss.backward()\n    opt.step()\n    return loss.item()\nround(step(), 6)")
+    assert res.status == "ok", res.error_text
+    first = float(res.result)
+    # Rank 1 raises (after a slow read) while rank 0 waits for it in DDP's gradient all-reduce.
+    res = kernel.run("%%distributed --view text\nfor i in range(10**6):\n    if i == 5 and dist.get_rank() == 1:\n"
+                     "        time.sleep(0.5)\n        raise OSError('corrupt shard')\n    step()")
+    assert res.status == "error" and "rank 1 failed first" in res.error_text, res.error_text
+    assert "corrupt shard" in res.error_text and "re-formed in place" in res.error_text, res.error_text
+    # The stop button while rank 1 waits in backward for rank 0, which sleeps in Python.
+    marker = tmp_path / "asleep"
+    msg_id = kernel.send(f"%%distributed --view text\nfor i in range(10**6):\n    if i == 10 and dist.get_rank() == 0:\n"
+                         f"        pathlib.Path({str(marker)!r}).touch()\n        time.sleep(600)\n    step()")
+    wait_for(marker.exists, 60, what="rank 0 to stop at step 10")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    kernel.km.interrupt_kernel()
+    res = kernel.collect(msg_id, timeout=30)
+    took = time.monotonic() - t0
+    assert res.status == "error" and res.error["ename"] == "RunStoppedError", res.error_text
+    assert "idle again, their state kept" in res.error_text and "rank 1 waited in a collective" in res.error_text
+    res = kernel.run("%%distributed --view text\nt = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+                     "(t.item(), round([step() for _ in range(10)][-1], 6) < " + repr(first) + ")")
+    assert res.status == "ok" and res.result == "(3.0, True)", res.error_text or res.result
+    print(f"stop button, a rank stuck in DDP backward (real kernel) -> idle in {took:.2f} s")
+    kernel.run("%dist_stop")
+
+
 def test_a_dying_rank_is_said_and_restart_brings_the_session_back(kernel):
     kernel.run("%dist_start -n 2")
     sid = _session_id(kernel)
