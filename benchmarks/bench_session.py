@@ -6,7 +6,10 @@
 In one kernel (jupyter_client): a plain ``x = 1`` cell; ``%%distributed`` cells in a live 4-rank
 session (a trivial statement, and one gloo all_reduce); ipyparallel's ``%px`` on 4 engines (the
 same two cells). Then the stop button on a busy session cell (time until the ranks are idle,
-state kept), and the CPU that an idle session's ranks use. Prints medians and ratios; it asserts
+state kept), the stop button while a rank waits in DDP's gradient all-reduce for a peer that
+sleeps (released, the group re-formed in place), a rank that raises while its peers wait in a
+collective (time until the error shows), what the re-formable group's forwarding costs per
+collective, and the CPU that an idle session's ranks use. Prints medians and ratios; it asserts
 nothing (goals, not tests).
 """
 
@@ -66,6 +69,41 @@ def main() -> None:
             stops.append(time.monotonic() - t0)
         assert k.run("%%distributed --view text\nx").result == "1"
 
+        # The stop button while rank 1 waits in DDP's backward for rank 0 (asleep in Python).
+        res = k.run("%%distributed --view text\nimport pathlib\n"
+                    "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))\n"
+                    "def step():\n    model(torch.randn(32, 64)).sum().backward()")
+        assert res.status == "ok", res.error_text
+        stuck_stops, reforms = [], []
+        for i in range(5):
+            marker = f"/tmp/nbdist-bench-asleep-{os.getpid()}-{i}"
+            msg = k.send(f"%%distributed --view text\nfor i in range(10**6):\n    if i == 5 and dist.get_rank() == 0:\n"
+                         f"        pathlib.Path({marker!r}).touch()\n        time.sleep(600)\n    step()")
+            while not os.path.exists(marker):
+                time.sleep(0.01)
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            k.km.interrupt_kernel()
+            res = k.collect(msg, timeout=30)
+            assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
+            stuck_stops.append(time.monotonic() - t0)
+            reforms.append(float(res.error_text.split("re-formed in place in ")[1].split(" ms")[0]) / 1e3)
+            os.remove(marker)
+        raises = []
+        for _ in range(5):
+            res = k.run("%%distributed --view text\nif dist.get_rank() == 1:\n    time.sleep(0.3)\n"
+                        "    raise ValueError('bad shard')\ndist.barrier()")
+            assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
+            raises.append(res.seconds - 0.3)
+        # The forwarding: one small all_reduce through the session's group and through its inner group.
+        res = k.run("%%distributed --view text\nimport time as _t\ng = dist.distributed_c10d._get_default_group()\n"
+                    "def per_call(fn, n=2000):\n    dist.barrier()\n    t0 = _t.perf_counter()\n"
+                    "    for _ in range(n):\n        fn()\n    return (_t.perf_counter() - t0) / n\n"
+                    "u = torch.ones(16)\nouter = per_call(lambda: dist.all_reduce(u))\n"
+                    "inner = per_call(lambda: g._inner.allreduce([u]).wait())\n(outer, inner)")
+        assert res.status == "ok", res.error_text
+        outer, inner = eval(res.result)
+
         pids = [int(p) for p in k.run("list(live_session().pids.values())").result.strip("[]").split(",")]
         procs = [psutil.Process(p) for p in pids]
         time.sleep(1.0)
@@ -95,6 +133,12 @@ def main() -> None:
           f"   session is {med(px_trivial) / med(sess_trivial):4.1f}x faster (goal >= 2x)")
     print(f"  ipyparallel %px, a local tensor op          {med(px_local) * ms:7.1f} ms")
     print(f"  stop button -> ranks idle, state kept       {med(stops) * ms:7.1f} ms (median of {len(stops)})")
+    print(f"  stop button, a rank stuck in DDP backward   {med(stuck_stops) * ms:7.1f} ms to idle, of which "
+          f"re-forming the group {med(reforms) * ms:.1f} ms (median of {len(stuck_stops)})")
+    print(f"  a rank raises, its peers in a collective    {med(raises) * ms:7.1f} ms to the error, group re-formed "
+          f"(goal <= 2000 ms)")
+    print(f"  all_reduce of 16 floats, rank 0: {outer * 1e6:.1f} us through the session's group, "
+          f"{inner * 1e6:.1f} us on its inner gloo group (forwarding +{(outer - inner) * 1e6:.1f} us)")
     print(f"  idle session: {idle_cpu:.3f} CPU-seconds over 5 s for {n} ranks")
 
 

@@ -8,7 +8,9 @@ files, and a rank that *dies* takes the whole tree down (the session is then "br
 Two levels, and every step knows which it is in:
 
 * *cell* level (:mod:`nbdist.session_cell`): a cell finishes, fails or is interrupted; the ranks
-  go back to idle with their namespaces kept.
+  go back to idle with their namespaces kept. A rank left in a collective is released by its free
+  peers dropping their connections, and every rank's process groups are then re-formed in place
+  (:mod:`nbdist.reform`, :mod:`nbdist.recovery`) before the cell says it is done.
 * *session* level: a rank that died, or can't be brought back from C code within a few seconds,
   ends the session and its whole tree; its state is lost and the next cell says so.
 
@@ -189,12 +191,22 @@ class Session:
             return
         _, _, _, kind, body, offsets = message
         last = cell.record_done(rank, kind, body, offsets, self._pids.get(rank))
+        self._release_if_asked(cell, rank)
         if last:
             self._settle(cell)
         elif kind == "failed" and not cell.internal:
             # Its peers may wait for it in a collective: release them as the stop button would.
             threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
                              daemon=True).start()
+
+    def _release_if_asked(self, cell: CellHandle, rank: int) -> None:
+        """A rank freed by the release drops its own connections too: in a ring, a rank may wait on
+        a peer that was itself waiting (not on the rank that left), and only this frees it."""
+        with self._lock:
+            if not cell.released or rank in cell.release_sent:
+                return
+            cell.release_sent.add(rank)
+        self._send([rank], ("release",))
 
     def _settle(self, cell: CellHandle) -> None:
         self.rank_run._pump_output()  # the cell's output is in the logs before the cell says it is done
@@ -434,13 +446,13 @@ class Session:
                 os.kill(self._pids[rank], signal.SIGINT)
         if not busy or cell.answered.wait(release_after):
             return
-        waiting = cell.busy_ranks()
-        free = [r for r in sorted(self._conns) if r not in waiting]
         with self._lock:
+            waiting = cell.busy_ranks()
+            free = [r for r in sorted(self._conns) if r not in waiting]
             release = bool(free) and not cell.released and self.status == "busy" and self._active is cell
             if release:
-                cell.released = waiting
-        if release:
+                cell.released, cell.release_sent = waiting, set(free)
+        if release:  # and each rank it frees drops its connections in turn (_release_if_asked)
             self._send(free, ("release",))
         if cell.answered.wait(STUCK_AFTER_S):
             return

@@ -65,6 +65,7 @@ class CellHandle(EventSource):
         self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
         self.error: BaseException | None = None
         self.released: list[int] = []  # ranks freed from a collective by dropping their peers' connections
+        self.release_sent: set[int] = set()  # ranks told to drop their connections
         self.note: str | None = None  # what the session did to bring the ranks in step after this cell
         self.started = time.monotonic()
         self.ended: float | None = None

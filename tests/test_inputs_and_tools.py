@@ -215,3 +215,50 @@ def test_packaging_lists_agree():
     pip_block = text.split("- pip:", 1)[1]
     listed = {line.strip()[2:] for line in pip_block.splitlines() if line.strip().startswith("- ")}
     assert wanted == listed, f"only in pyproject: {wanted - listed}; only in environment.yml: {listed - wanted}"
+
+
+def test_the_reformable_group_connects_nccl_for_cuda_and_aborts_it_on_release(monkeypatch):
+    """The CUDA path of nbdist.reform, with NCCL faked (there is no GPU here): CUDA tensors go to an
+    NCCL backend made with the group's timeout and bound as the default, CPU ones to gloo; a
+    release aborts NCCL's communicators (which frees kernels waiting on a peer) before dropping
+    them. One rank, a HashStore: the real gloo part connects for real."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
+    import torch._C._distributed_c10d as c10d
+
+    from nbdist import reform
+
+    made = []
+
+    class FakeNCCLOptions:
+        _timeout = None
+
+    def fake_nccl(store, rank, size, opts):  # a real backend object, so the group can register it
+        made.append((rank, size, opts._timeout))
+        gopts = ProcessGroupGloo._Options()
+        gopts._timeout, gopts._devices = opts._timeout, [ProcessGroupGloo.create_default_device()]
+        return ProcessGroupGloo(store, rank, size, gopts)
+
+    fake_nccl.Options = FakeNCCLOptions
+    monkeypatch.setattr(c10d, "ProcessGroupNCCL", fake_nccl, raising=False)
+    timeout = datetime.timedelta(seconds=42)
+    group = reform.ReformableGroup(dist.HashStore(), 0, 1, timeout, {"cpu": "gloo", "cuda": "nccl"}, name="g")
+    assert made == [(0, 1, timeout)]
+    inner = group._inner
+    assert sorted(str(d) for d in inner._device_types) == ["cpu", "cuda"], inner._device_types
+    t = torch.ones(3)
+    group.allreduce([t]).wait()
+    assert t.tolist() == [1.0, 1.0, 1.0] and group.issued == 1
+    aborted = []
+    monkeypatch.setattr(type(inner), "abort", lambda self: aborted.append(True), raising=False)
+    group.release()
+    assert aborted == [True] and group._inner is None
+    with pytest.raises(RuntimeError, match="being re-formed"):
+        group.allreduce([t])
+    group.reform(1)
+    assert len(made) == 2 and group.generation == 1 and group.issued == 0
+    group.allreduce([t]).wait()
+    assert isinstance(group, ProcessGroup) and group.getGroupName() == "g"

@@ -237,6 +237,26 @@ def fsdp_step():
     assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
 
 
+def test_four_ranks_in_a_ring_all_reduce_are_all_released_when_one_rank_is_missing(tmp_path):
+    """In a ring, a rank waits on its neighbour, not on the rank that left: each rank the release
+    frees drops its own connections in turn, until every rank is back."""
+    with nbdist.Session(nprocs=4) as s:
+        assert s.wait_ready(120)
+        marker = tmp_path / "asleep"
+        cell = s.execute(f"import pathlib, time, torch, torch.distributed as dist\nt = torch.ones(1 << 16)\n"
+                         f"if dist.get_rank() == 0:\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(600)\n"
+                         f"dist.all_reduce(t)", join=False)
+        wait_for(marker.exists, 60, what="rank 0 to sleep")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        cell.interrupt()
+        with pytest.raises(RunStoppedError, match="ranks 1-3 waited in a collective that their peers had left"):
+            cell.wait(30)
+        assert time.monotonic() - t0 < 3.0 and s.status == "idle"
+        assert s.execute("u = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(u)\nu.item()") == \
+            {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
+
+
 def test_ranks_stuck_with_no_free_peer_stop_the_session_and_say_where(session):
     session.execute("import torch, torch.distributed as dist")
     cell = session.execute("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank())", join=False)
