@@ -12,13 +12,84 @@ the user never meets it as a hang or a wrong sum.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+
 from . import payload
 from .errors import SessionLostError, format_rank_set
 from .session_rank import count_collectives, reform_groups, reset_ddp_reducers
 
-__all__ = ["call_on_ranks", "bring_in_step"]
+__all__ = ["stop_cell", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
+           "RELEASE_AFTER_PEER_FAILED_S", "STUCK_AFTER_S"]
 
+# A rank in Python answers SIGINT within milliseconds; one still busy after this waits in C code,
+# most likely a collective that a peer left: the free ranks then drop their connections.
+RELEASE_AFTER_S = 0.5
+# After a peer raised, its peers are released sooner: the error must show within about 2 s.
+RELEASE_AFTER_PEER_FAILED_S = 0.3
+STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck for good (C code)
 CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for every rank to connect
+
+
+def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
+    """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
+    ``release_after`` waits in C code: the free ranks drop their group connections, which fails
+    the collective it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
+    busy = cell.busy_ranks()
+    for rank in busy:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(session.pids[rank], signal.SIGINT)
+    if not busy or cell.answered.wait(release_after):
+        return
+    with session._lock:
+        waiting = cell.busy_ranks()
+        free = [r for r in sorted(session.pids) if r not in waiting]
+        release = bool(free) and not cell.released and session.status == "busy" and session._active is cell
+        if release:
+            cell.released, cell.release_sent = waiting, set(free)
+    if release:  # and each rank it frees drops its connections in turn (release_if_asked)
+        session._send(free, ("release",))
+    if cell.answered.wait(STUCK_AFTER_S):
+        return
+    stuck = cell.busy_ranks()
+    if not stuck or session.status in ("broken", "closed"):
+        return
+    where = session._dump_stacks(stuck)
+    freed = "" if free else "; no rank was free to release it"
+    if session.ranks_elsewhere():
+        freed += (f"; the world's {format_rank_set(session.ranks_elsewhere())} are driven by other kernels, "
+                  f"whose cell may have ended without this collective")
+    session._lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
+                  f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
+                  f"their state is lost; restart() brings new ranks")
+
+
+def release_if_asked(session, cell, rank: int) -> None:
+    """A rank freed by the release drops its own connections too: in a ring, a rank may wait on
+    a peer that was itself waiting (not on the rank that left), and only this frees it."""
+    with session._lock:
+        if not cell.released or rank in cell.release_sent:
+            return
+        cell.release_sent.add(rank)
+    session._send([rank], ("release",))
+
+
+def recover(session, cell) -> None:
+    """After a failed or interrupted cell (on a thread of its own: bringing the ranks in step needs
+    the reply reader): check every group, re-form in place if needed, then end the cell."""
+    try:
+        cell.note = bring_in_step(session, cell)
+    except SessionLostError as exc:
+        cell.lose(exc)
+        return
+    except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
+        kind = "failed" if cell.failures else "interrupted"
+        session._lose(f"the session was stopped: its ranks could not be brought back in step after the {kind} "
+                      f"cell ({type(exc).__name__}: {exc}); the state is lost; restart() brings new ranks")
+        cell.lose(SessionLostError(session.lost_reason))
+        return
+    session.become_idle(cell)
 
 
 def call_on_ranks(session, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
@@ -60,6 +131,14 @@ def bring_in_step(session, cell) -> str | None:
     Returns the note for the cell's output (None when nothing had to be done). Raises
     SessionLostError when the groups are out of step and can't be re-formed.
     """
+    elsewhere = session.ranks_elsewhere()
+    if elsewhere and cell.failures and all(f.secondary for f in cell.failures.values()):
+        # A rank of another kernel's part of the world is gone: this part's group can't work again.
+        session._lose(f"the session was stopped: {format_rank_set(cell.failures)} lost their peers on another "
+                      f"node ({format_rank_set(elsewhere)}), whose kernel has the root cause; this node's process "
+                      f"group can't be re-formed across kernels, so the state is lost; %dist_restart on every "
+                      f"node brings the world back")
+        raise SessionLostError(session.lost_reason)
     answers = {r: a for r, a in call_on_ranks(session, count_collectives).items() if a is not None}
     if not answers:
         return None  # no process group: nothing can be out of step

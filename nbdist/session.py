@@ -34,18 +34,13 @@ from multiprocessing.connection import Listener, wait
 from . import payload
 from .errors import LaunchConfigError, SessionLostError, format_rank_set
 from .options import WorldOptions
+from .recovery import RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, recover, release_if_asked, stop_cell
 from .session_cell import CellHandle
 from .streams import OutputChunk
 from .session_rank import SESSION_KEY_FILE, get_name, serve_session, set_names, set_nodelay
 
 __all__ = ["Session"]
 
-# A rank in Python answers SIGINT within milliseconds; one still busy after this waits in C code,
-# most likely a collective that a peer left: the free ranks then drop their connections.
-RELEASE_AFTER_S = 0.5
-# After a peer raised, its peers are released sooner: the error must show within about 2 s.
-RELEASE_AFTER_PEER_FAILED_S = 0.3
-STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck for good (C code)
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -122,7 +117,10 @@ class Session:
         try:
             self.rank_run = start_run(serve_session, (self.run_dir, self.address), {}, self.options,
                                       launcher=engine, run_id=self.session_id, run_dir=self.run_dir,
-                                      reformable=True)
+                                      # One kernel drives every rank: it alone may release and re-form.
+                                      # Kernels of several nodes (torchrun --nnodes) would have to agree
+                                      # on it; there a group out of step stops the session, said.
+                                      reformable=self.options.nnodes == 1)
         except BaseException as exc:  # start-or-close already stopped what it started
             with self._lock:
                 self.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
@@ -191,22 +189,13 @@ class Session:
             return
         _, _, _, kind, body, offsets = message
         last = cell.record_done(rank, kind, body, offsets, self._pids.get(rank))
-        self._release_if_asked(cell, rank)
+        release_if_asked(self, cell, rank)
         if last:
             self._settle(cell)
         elif kind == "failed" and not cell.internal:
             # Its peers may wait for it in a collective: release them as the stop button would.
             threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
                              daemon=True).start()
-
-    def _release_if_asked(self, cell: CellHandle, rank: int) -> None:
-        """A rank freed by the release drops its own connections too: in a ring, a rank may wait on
-        a peer that was itself waiting (not on the rank that left), and only this frees it."""
-        with self._lock:
-            if not cell.released or rank in cell.release_sent:
-                return
-            cell.release_sent.add(rank)
-        self._send([rank], ("release",))
 
     def _settle(self, cell: CellHandle) -> None:
         self.rank_run._pump_output()  # the cell's output is in the logs before the cell says it is done
@@ -217,34 +206,17 @@ class Session:
             with self._lock:
                 self._recovering = cell
             # Not on this thread: it reads the ranks' replies, which bringing them in step needs.
-            threading.Thread(target=self._recover, args=(cell,), daemon=True).start()
+            threading.Thread(target=recover, args=(self, cell), daemon=True).start()
             return
-        self._become_idle(cell)
+        self.become_idle(cell)
 
-    def _become_idle(self, cell: CellHandle) -> None:
+    def become_idle(self, cell: CellHandle) -> None:
+        """The cell is over and the ranks are in step: idle, then the cell says it is done."""
         with self._lock:  # idle before the cell says it is done: the caller's next cell must find it so
             if self.status == "busy":
                 self.status = "idle"
             self._recovering = None
         cell.finish()
-
-    def _recover(self, cell: CellHandle) -> None:
-        """After a failed or interrupted cell: make sure every group is in step, re-forming it in place
-        when a rank was released from a collective or the ranks stopped at different collectives."""
-        from .recovery import bring_in_step
-
-        try:
-            cell.note = bring_in_step(self, cell)
-        except SessionLostError as exc:
-            cell.lose(exc)
-            return
-        except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
-            self._lose(f"the session was stopped: its ranks could not be brought back in step after the "
-                       f"{'failed' if cell.failures else 'interrupted'} cell ({type(exc).__name__}: {exc}); the state is lost; restart() "
-                       f"brings new ranks")
-            cell.lose(SessionLostError(self.lost_reason))
-            return
-        self._become_idle(cell)
 
     def _on_run_event(self, event) -> None:
         """The session run ended by itself: a rank died, and the run took the whole tree down."""
@@ -330,6 +302,12 @@ class Session:
     def pids(self) -> dict[int, int]:
         """rank -> pid of each rank that said hello."""
         return dict(sorted(self._pids.items()))
+
+    def ranks_elsewhere(self) -> list[int]:
+        """Ranks of the world that other kernels drive (a session across nodes, torchrun --nnodes)."""
+        if self.options.nnodes == 1:
+            return []
+        return sorted(set(range(self.nprocs * self.options.nnodes)) - set(self._pids))
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until every rank is up (True; False on ``timeout``); raise SessionLostError if it can't serve."""
@@ -437,33 +415,9 @@ class Session:
                 self._conns[rank].send(message)
 
     def interrupt_cell(self, cell: CellHandle, release_after: float = RELEASE_AFTER_S) -> None:
-        """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
-        ``release_after`` waits in C code: the free ranks drop their group connections, which fails
-        the collective it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
-        busy = cell.busy_ranks()
-        for rank in busy:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pids[rank], signal.SIGINT)
-        if not busy or cell.answered.wait(release_after):
-            return
-        with self._lock:
-            waiting = cell.busy_ranks()
-            free = [r for r in sorted(self._conns) if r not in waiting]
-            release = bool(free) and not cell.released and self.status == "busy" and self._active is cell
-            if release:
-                cell.released, cell.release_sent = waiting, set(free)
-        if release:  # and each rank it frees drops its connections in turn (_release_if_asked)
-            self._send(free, ("release",))
-        if cell.answered.wait(STUCK_AFTER_S):
-            return
-        stuck = cell.busy_ranks()
-        if not stuck or self.status in ("broken", "closed"):
-            return
-        where = self._dump_stacks(stuck)
-        freed = "" if free else "; no rank was free to release it"
-        self._lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
-                   f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
-                   f"their state is lost; restart() brings new ranks")
+        """SIGINT to every busy rank; release a rank left in a collective; a stuck one ends the session
+        (:func:`nbdist.recovery.stop_cell`)."""
+        stop_cell(self, cell, release_after)
 
     def _dump_stacks(self, ranks) -> str:
         """Each stuck rank's stack into its log (as a timeout does); where the first one stood."""

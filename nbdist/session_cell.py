@@ -161,7 +161,8 @@ class CellHandle(EventSource):
             results = dict(sorted(self.results.items()))
             if self.failures:
                 self.status = "failed"
-                self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note)
+                self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note,
+                                               elsewhere=self.session.ranks_elsewhere())
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
@@ -181,7 +182,7 @@ class CellHandle(EventSource):
                 return
             if self.failures:
                 error = WorkerFailedError(self.failures, dict(sorted(self.results.items())), self.cell_dir,
-                                          error.reason)
+                                          error.reason, elsewhere=self.session.ranks_elsewhere())
                 error.session_lost = True
             self.status, self.error = "lost", error
             for rank in self.busy_ranks():
