@@ -88,6 +88,11 @@ def _show_coming_up(shell, session: Session) -> None:
     """One line now; in a kernel, a line per rank that follows the ranks until they are up."""
     print(f"nbdist: session {session.session_id} starting {session.nprocs} ranks; cells now run in it "
           f"(--fresh for one-shot ranks)")
+    _follow_ranks(shell, session)
+
+
+def _follow_ranks(shell, session: Session) -> None:
+    """In a kernel, a line per rank that follows the ranks until they are up (a widget)."""
     if getattr(shell, "kernel", None) is None:
         return
     import ipywidgets as w
@@ -162,6 +167,10 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     ranks = _parse_ranks(args.ranks)
     push, pull = split_names(args.push, "--push"), split_names(args.pull, "--pull")
     options = world_options(args)
+    if session.status == "starting":  # the cell waits for the ranks, and shows them come up meanwhile
+        print(f"nbdist: this cell waits for session {session.session_id}'s ranks to come up "
+              f"({len(session.pids)} of {session.nprocs} up so far)")
+        _follow_ranks(shell, session)
     try:
         targets = session.prepare(ranks)  # a cell sent while the session starts waits for it
     except SessionLostError as exc:

@@ -60,6 +60,16 @@ def test_a_session_keeps_the_model_between_cells_and_shows_each_cells_output(ker
     wait_for(lambda: not marked_pids(sid), 3, what="the session's ranks to go")
 
 
+def test_a_cell_sent_while_the_session_starts_waits_and_shows_the_ranks_come_up(kernel):
+    res = kernel.run("%dist_start -n 2 --start spawn")  # spawned ranks take seconds to come up
+    assert res.status == "ok", res.error_text
+    res = kernel.run("%%distributed --view text\nimport os\nint(os.environ['RANK'])")
+    assert res.status == "ok" and res.result == "0", res.error_text
+    assert "this cell waits for session" in res.stdout and "of 2 up so far" in res.stdout, res.stdout
+    assert any("application/vnd.jupyter.widget-view+json" in d for d in res.displays), "the ranks' progress"
+    kernel.run("%dist_stop")
+
+
 def test_errors_show_cell_lines_and_the_stop_button_keeps_the_state(kernel, tmp_path):
     kernel.run("%dist_start -n 2")
     res = kernel.run("%%distributed --view text\nimport time, torch.distributed as dist\nkept = [1, 2, 3]\n"
