@@ -173,12 +173,11 @@ class CellHandle(EventSource):
                 self.status = "finished"
             self._end()
 
-    def lose(self, error: SessionLostError, replace: bool = False) -> None:
+    def lose(self, error: SessionLostError) -> None:
         """The session went down under this cell. A rank that raised first is still the root cause:
-        the error names it (with its cell lines), and says that the session was stopped.
-        ``replace``: the cell had ended, and what it ended with turned out to cost the session."""
+        the error names it (with its cell lines), and says that the session was stopped."""
         with self._lock:
-            if self.done and not replace:
+            if self.done:
                 return
             if self.failures:
                 error = WorkerFailedError(self.failures, dict(sorted(self.results.items())), self.cell_dir,

@@ -134,12 +134,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(tmp_path, master_addr, prefix=lambda i: [], mode="ok"):
-    """Two separate processes, node 1 started first, each a kernel with launcher='torchrun'."""
-    script = tmp_path / "node.py"
-    script.write_text(NODE_SCRIPT.format(here=HERE))
+def _run_node_kernels(script, master_addr, prefix=lambda i: [], extra=()):
+    """Two separate processes, node 1 started first, each a kernel running ``script``; each one's
+    ``RESULT`` line as ``(node0, node1)``."""
     port = str(_free_port())
-    procs = [subprocess.Popen(prefix(k) + [sys.executable, str(script), str(k), master_addr, port, mode],
+    procs = [subprocess.Popen(prefix(k) + [sys.executable, str(script), str(k), master_addr, port, *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (1, 0)]
     outs = []
     try:
@@ -151,6 +150,14 @@ def _two_nodes(tmp_path, master_addr, prefix=lambda i: [], mode="ok"):
                 p.kill()
                 p.wait()
     node1, node0 = (json.loads(o.split("RESULT ", 1)[1]) if "RESULT " in o else pytest.fail(o) for o in outs)
+    return node0, node1
+
+
+def _two_nodes(tmp_path, master_addr, prefix=lambda i: [], mode="ok"):
+    """Two kernels with launcher='torchrun', each launching 2 ranks of one world of 4."""
+    script = tmp_path / "node.py"
+    script.write_text(NODE_SCRIPT.format(here=HERE))
+    node0, node1 = _run_node_kernels(script, master_addr, prefix, (mode,))
     if mode == "ok":
         node0, node1 = ({int(k): v for k, v in node.items()} for node in (node0, node1))
     return node0, node1
@@ -203,17 +210,7 @@ def test_a_two_node_torchrun_session_keeps_state_across_cells_on_both_kernels(tm
     ranks keep their state between cells on both kernels; closing leaves nothing of either."""
     script = tmp_path / "session_node.py"
     script.write_text(SESSION_NODE_SCRIPT.format())
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(script), str(k), "127.0.0.1", port], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for k in (1, 0)]
-    try:
-        outs = [p.communicate(timeout=150)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    node1, node0 = (json.loads(o.split("RESULT ", 1)[1]) if "RESULT " in o else pytest.fail(o) for o in outs)
+    node0, node1 = _run_node_kernels(script, "127.0.0.1")
     assert node0["world"] == {"0": [4, 10.0], "1": [4, 10.0]} and node1["world"] == {"2": [4, 10.0], "3": [4, 10.0]}
     assert node0["again"] == {"0": [0, 40.0], "1": [10, 40.0]} and node1["again"] == {"2": [20, 40.0], "3": [30, 40.0]}
     # A failure across kernels can't be re-formed yet: both parts stop, each saying where the root cause is.
