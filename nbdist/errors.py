@@ -115,7 +115,7 @@ class WorkerFailedError(RuntimeError):
     """
 
     def __init__(self, failures: dict[int, RankFailure], results=None, run_dir=None, reason=None, elsewhere=(),
-                 note=None):
+                 note=None, remote_cause=None):
         self.failures = dict(failures)
         self.results = dict(results or {})
         self.run_dir = run_dir
@@ -123,6 +123,7 @@ class WorkerFailedError(RuntimeError):
         self.note = note  # what nbdist did after the failure (a session re-formed its group)
         # Ranks of the world that other kernels (other nodes) run: the root cause may be there.
         self.elsewhere = sorted(elsewhere)
+        self.remote_cause = remote_cause  # what that node's kernel said of it, when it said so in time
         self.rank = self._root_cause_rank()
         super().__init__(self._compose())
 
@@ -169,8 +170,11 @@ class WorkerFailedError(RuntimeError):
         if remote_root:
             # Every rank here only lost a peer: naming one of them "first" would send the user
             # to the wrong log.
-            lines = [f"{format_rank_set(self.failures)} lost their peers: a rank on another node "
-                     f"({format_rank_set(self.elsewhere)}) failed first; its kernel and logs have the root cause"]
+            whose = "its" if len(self.failures) == 1 else "their"
+            cause = (f"{self.remote_cause}; its kernel has the traceback" if self.remote_cause else
+                     f"a rank on another node ({format_rank_set(self.elsewhere)}) failed first; its kernel and logs "
+                     f"have the root cause")
+            lines = [f"{format_rank_set(self.failures)} lost {whose} peers: {cause}"]
         if self.reason:
             lines[0] = f"{self.reason}; " + lines[0]
         others = sorted(r for r in self.failures if r != self.rank)

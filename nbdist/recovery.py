@@ -19,6 +19,7 @@ import signal
 from . import payload
 from .errors import SessionLostError, format_rank_set
 from .session_rank import count_collectives, reform_groups, reset_ddp_reducers
+from .world_link import announce_stop
 
 __all__ = ["stop_cell", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
            "RELEASE_AFTER_PEER_FAILED_S", "STUCK_AFTER_S"]
@@ -36,6 +37,7 @@ def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
     """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
     ``release_after`` waits in C code: the free ranks drop their group connections, which fails
     the collective it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
+    announce_stop(session, cell)  # a session across kernels: the other nodes stop their part too
     busy = cell.busy_ranks()
     for rank in busy:
         with contextlib.suppress(ProcessLookupError):
@@ -45,10 +47,13 @@ def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
     with session._lock:
         waiting = cell.busy_ranks()
         free = [r for r in sorted(session.pids) if r not in waiting]
-        release = bool(free) and not cell.released and session.status == "busy" and session._active is cell
+        # Across kernels, peers elsewhere may free a rank even when no rank here is free: each rank
+        # freed then drops its own connections in turn, as here.
+        release = ((bool(free) or bool(session.ranks_elsewhere())) and not cell.released and session.status == "busy"
+                   and session._active is cell)
         if release:
             cell.released, cell.release_sent = waiting, set(free)
-    if release:  # and each rank it frees drops its connections in turn (release_if_asked)
+    if release and free:  # and each rank it frees drops its connections in turn (release_if_asked)
         session._send(free, ("release",))
     if cell.answered.wait(STUCK_AFTER_S):
         return
@@ -131,25 +136,28 @@ def bring_in_step(session, cell) -> str | None:
     Returns the note for the cell's output (None when nothing had to be done). Raises
     SessionLostError when the groups are out of step and can't be re-formed.
     """
-    elsewhere = session.ranks_elsewhere()
-    if elsewhere and cell.failures and all(f.secondary for f in cell.failures.values()):
-        # A rank of another kernel's part of the world is gone: this part's group can't work again.
-        session._lose(f"the session was stopped: {format_rank_set(cell.failures)} lost their peers on another "
-                      f"node ({format_rank_set(elsewhere)}), whose kernel has the root cause; this node's process "
-                      f"group can't be re-formed across kernels, so the state is lost; %dist_restart on every "
-                      f"node brings the world back")
-        raise SessionLostError(session.lost_reason)
+    across = session.world is not None
+    if across:  # every abnormal cell re-forms the world's groups, on every kernel (nbdist.world_link)
+        announce_stop(session, cell)
+        told = lambda: session._reform_due == session._generation  # noqa: E731
+        with session._lock:
+            if cell.failures and all(f.secondary for f in cell.failures.values()):
+                # Its ranks only lost their peers: the node that stopped first says why, within ms.
+                session._told.wait_for(told, timeout=2.0)
+            cell.stopped_by = session._stopped_by if told() else None
     answers = {r: a for r, a in call_on_ranks(session, count_collectives).items() if a is not None}
     if not answers:
         return None  # no process group: nothing can be out of step
     counts = {r: a[1] for r, a in answers.items()}
     replicas = _replicas_note({r: a[3] for r, a in answers.items()})
     in_step = len({tuple(sorted(c.items())) for c in counts.values()}) == 1
-    if in_step and not cell.released:
+    if in_step and not cell.released and not across:
         if any(a[2] for a in answers.values()):  # a backward stopped half-way: DDP's next step would fail
             call_on_ranks(session, reset_ddp_reducers)
         return replicas or None
     why = _why(cell, counts)
+    if across and in_step and not cell.released:
+        why = f"as every node's kernel does after a cell that {'failed' if cell.failures else 'was stopped'}"
     kind = "failed" if cell.failures else "interrupted"
     if not all(a[0] for a in answers.values()):
         session._lose(f"the session was stopped: after the {kind} cell {why}, and its process group "
@@ -160,7 +168,9 @@ def bring_in_step(session, cell) -> str | None:
     done = call_on_ranks(session, reform_groups, session._generation)
     ms = max(d["seconds"] for d in done.values()) * 1000
     session.last_reform = done  # the parts' timings, for benchmarks and tests
-    note = f"the process group was re-formed in place in {ms:.0f} ms ({why}); models, optimizers and data are kept"
+    where = f" across the {session.options.nnodes} nodes' kernels" if across else ""
+    note = f"the process group was re-formed in place{where} in {ms:.0f} ms"
+    note = (f"{cell.stopped_by}; {note}" if cell.stopped_by else f"{note} ({why})") + "; models, optimizers and data are kept"
     return note + ("; " + replicas if replicas else "")
 
 

@@ -34,6 +34,7 @@ __all__ = ["Run", "RankStatus", "RunEvent", "EventSource", "KILL_LADDER", "INTER
 log = logging.getLogger(__name__)
 
 INTERRUPT_LADDER = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
+ENGINE_REPORT_S = 2.0  # how long torchrun may take to see a rank fail, stop the rest and say which failed first
 KILL_LADDER = (signal.SIGTERM, signal.SIGKILL)
 TERMINAL = ("finished", "failed", "interrupted", "killed")
 
@@ -156,6 +157,7 @@ class Run(EventSource):
         self._pumped_final = False
         self._stopping: str | None = None
         self._exit_seen: dict[int, float] = {}
+        self._engine_root: int | None = None  # the rank an engine (torchrun) named as the first failure
         self._timed_out: dict[int, tuple] = {}  # global rank -> (its stack dump, whether it was in user code)
         self._monitor: threading.Thread | None = None
 
@@ -190,6 +192,13 @@ class Run(EventSource):
 
     # A one-shot run says how it ended (time, logs); a session cell that finished says nothing more.
     quiet_when_finished = False
+
+    def saw_rank_go(self, grank: int) -> None:
+        """A rank's own channel closed (a session's): it ended now. The engine's ranks are not the
+        kernel's children, and several found gone in one tick would otherwise tie."""
+        local = next((r for r in self.ranks if self.global_rank(r) == grank), None)
+        if local is not None:
+            self._exit_seen.setdefault(local, time.time())
 
     def global_rank(self, local: int) -> int:
         return self.spec.identity_for(local).rank
@@ -258,6 +267,8 @@ class Run(EventSource):
                 self._reap_exited()
                 failed = [r for r, st in self.ranks.items() if st.status == "failed"]
                 if failed:
+                    # torchrun knows how its ranks ended (not the kernel's children): let it say.
+                    getattr(self.launcher, "wait_for_engine", lambda t: None)(ENGINE_REPORT_S)
                     self._stop("failed", INTERRUPT_LADDER, timeout=min(self.stop_timeout, 2.0))
                 elif all(st.status == "finished" for st in self.ranks.values()):
                     self._finalize("finished", None)
@@ -278,7 +289,7 @@ class Run(EventSource):
     def _reap_exited(self) -> None:
         known = {r for r, st in self.ranks.items() if st.status in TERMINAL}
         for r, code in self.launcher.collect_exited(self.run_dir, known).items():
-            self._exit_seen[r] = time.time()
+            self._exit_seen.setdefault(r, time.time())
             grank = self.global_rank(r)
             ok, value = payload.read_result(self.run_dir, grank)
             if ok:  # the function returned: its value is kept even if the exit went wrong after
@@ -349,6 +360,11 @@ class Run(EventSource):
                     f.message = "had not started when the timeout expired"
                 else:
                     f.message += " (it left no stack)"
+            elif self._engine_root is not None and grank != self._engine_root:
+                f.secondary = True  # the engine took it down after the root cause
+                f.message = f"stopped by {self.launcher.name} after rank {self._engine_root} failed"
+            elif self._engine_root is not None:
+                f.message = None  # the engine's summary said it all: the code or signal above
             elif st.exitcode == 0:
                 f.message = "exited with code 0 without returning a result"
             else:
@@ -374,6 +390,11 @@ class Run(EventSource):
             if all(c is not None for c in codes.values()):
                 break
             time.sleep(0.02)
+        codes, root = getattr(self.launcher, "exit_report", lambda: ({}, None))()
+        for r, code in codes.items():  # the engine's word on ranks the kernel only saw go
+            if r in self.ranks and self.ranks[r].status == "failed":
+                self.ranks[r].exitcode = code
+        self._engine_root = self.global_rank(root) if root is not None else None
         for r, code in self.launcher.poll().items():
             st = self.ranks[r]
             grank = self.global_rank(r)

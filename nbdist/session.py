@@ -14,6 +14,9 @@ Two levels, and every step knows which it is in:
 * *session* level: a rank that died, or can't be brought back from C code within a few seconds,
   ends the session and its whole tree; its state is lost and the next cell says so.
 
+A world across nodes (torchrun --nnodes) has a session per kernel; the kernels stop, re-form and
+go down together, agreeing through the world's store (:mod:`nbdist.world_link`).
+
 The channel that carries cells is code execution: ``multiprocessing.connection`` with a
 per-session key (a 0600 file in the 0700 run dir), listening on loopback unless the world
 options ask for another address.
@@ -34,10 +37,11 @@ from multiprocessing.connection import Listener, wait
 from . import payload
 from .errors import LaunchConfigError, SessionLostError, format_rank_set
 from .options import WorldOptions
-from .recovery import RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, recover, release_if_asked, stop_cell
+from .recovery import CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, recover, release_if_asked, stop_cell
 from .session_cell import CellHandle
-from .streams import OutputChunk
 from .session_rank import SESSION_KEY_FILE, get_name, serve_session, set_names, set_nodelay
+from .streams import OutputChunk
+from .world_link import link_kernels, tell_world_gone
 
 __all__ = ["Session"]
 
@@ -92,6 +96,12 @@ class Session:
         self._recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
         self._send_lock = threading.Lock()
         self._generation = 0  # of the ranks' process groups, one more per re-forming
+        self._reform_due = -1  # the generation another node's kernel re-forms from (nbdist.world_link)
+        self._stopped_by: str | None = None  # that kernel's reason
+        self._told = threading.Condition(self._lock)  # notified when another kernel says it stopped
+        self._in_step = threading.Event()  # cleared while this node re-forms with the others
+        self._in_step.set()
+        self.world = None  # a session across kernels: its link to the others (nbdist.world_link)
         self.last_reform: dict | None = None  # each rank's timings of the last re-forming (nbdist.recovery)
         self._cells = 0
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
@@ -114,13 +124,12 @@ class Session:
     def _bring_up(self, engine) -> None:
         from .start import start_run
 
+        if self.options.nnodes > 1:  # the link to the other kernels needs torch here: import it meanwhile
+            threading.Thread(target=__import__, args=("torch.distributed",), daemon=True).start()
         try:
             self.rank_run = start_run(serve_session, (self.run_dir, self.address), {}, self.options,
                                       launcher=engine, run_id=self.session_id, run_dir=self.run_dir,
-                                      # One kernel drives every rank: it alone may release and re-form.
-                                      # Kernels of several nodes (torchrun --nnodes) would have to agree
-                                      # on it; there a group out of step stops the session, said.
-                                      reformable=self.options.nnodes == 1)
+                                      reformable=True)
         except BaseException as exc:  # start-or-close already stopped what it started
             with self._lock:
                 self.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
@@ -132,9 +141,9 @@ class Session:
         finally:
             self._launched.set()
         self.rank_run.subscribe(self._on_run_event)  # replayed: a run that ended already is seen too
-        self._accept_ranks()
+        self._accept_ranks(engine)
 
-    def _accept_ranks(self) -> None:
+    def _accept_ranks(self, engine) -> None:
         """Take each rank's hello (a client with the wrong key is refused and ignored), then read their replies."""
         while len(self._conns) < self.nprocs and self.status == "starting":
             try:
@@ -151,6 +160,8 @@ class Session:
             if self.status == "starting":
                 self.status = "idle"
                 self.ready_after = time.monotonic() - self._started_at
+                if self.options.nnodes > 1:  # only now: the world formed, the store there is this world's
+                    self.world = link_kernels(self, engine)
         self._ready.set()
         self._read_replies()
 
@@ -174,6 +185,9 @@ class Session:
                     message = conn.recv()
                 except (EOFError, OSError):
                     live.remove(conn)  # that rank exited: the session run's monitor says why
+                    self.rank_run.saw_rank_go(conns[id(conn)])
+                    # Its socket closed first: the other nodes hear it now.
+                    tell_world_gone(self, f"was lost (rank {conns[id(conn)]} ended)")
                     continue
                 self._on_reply(conns[id(conn)], message)
 
@@ -202,7 +216,7 @@ class Session:
         if cell.internal:
             cell.finish()
             return
-        if cell.failures or cell.interrupted:
+        if cell.failures or cell.interrupted or self._reform_due == self._generation:
             with self._lock:
                 self._recovering = cell
             # Not on this thread: it reads the ranks' replies, which bringing them in step needs.
@@ -227,7 +241,10 @@ class Session:
             if cell is not None:
                 cell.feed(event)  # each rank's log stays one file; the cell shows its own part of it
             return
-        if not isinstance(event, RunEvent) or event.rank is not None or event.status not in TERMINAL:
+        if not isinstance(event, RunEvent) or event.status not in TERMINAL:
+            return
+        if event.rank is not None:  # a rank ended: the run stops the tree next
+            tell_world_gone(self, f"was lost (rank {event.rank} ended)")
             return
         with self._lock:
             if self.status == "closed":
@@ -247,6 +264,7 @@ class Session:
         """Stop the session, whole tree, because a rank can't be brought back."""
         with self._lock:
             self.lost_reason = reason
+        tell_world_gone(self, "was stopped (a rank could not be brought back; its kernel says which)")
         self.rank_run.kill()  # -> _on_run_event: broken, the active cell lost
 
     def close(self, timeout: float = 5.0) -> None:
@@ -258,6 +276,8 @@ class Session:
             self.status = "closed"
         self._ready.set()
         self._wake_listener()
+        if self.world is not None:  # before the tree goes: node 0's agent hosts the store
+            self.world.close()
         self._launched.wait()
         if self.rank_run is None:  # it never started
             _LIVE.discard(self)
@@ -370,6 +390,7 @@ class Session:
         Raises SessionLostError when it can't (lost, closed), RuntimeError while a cell runs.
         """
         self.wait_ready()  # a cell sent while the session starts waits for it
+        self._in_step.wait(CHECK_TIMEOUT_S + 10)  # and one sent while it re-forms with other nodes
         targets = sorted(self._conns) if ranks is None else sorted(set(ranks))
         unknown = [r for r in targets if r not in self._conns]
         if unknown or not targets:

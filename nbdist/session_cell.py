@@ -67,6 +67,8 @@ class CellHandle(EventSource):
         self.released: list[int] = []  # ranks freed from a collective by dropping their peers' connections
         self.release_sent: set[int] = set()  # ranks told to drop their connections
         self.note: str | None = None  # what the session did to bring the ranks in step after this cell
+        self.announced = False  # a session across kernels told the other nodes that this cell stopped
+        self.stopped_by: str | None = None  # another node's kernel stopped its part first, and why
         self.started = time.monotonic()
         self.ended: float | None = None
         self.run_id = f"{session.session_id}/{cell_id}"
@@ -162,7 +164,7 @@ class CellHandle(EventSource):
             if self.failures:
                 self.status = "failed"
                 self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note,
-                                               elsewhere=self.session.ranks_elsewhere())
+                                               elsewhere=self.session.ranks_elsewhere(), remote_cause=self.stopped_by)
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"

@@ -109,7 +109,15 @@ def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(en
                       "dist.barrier()")
         assert s.execute("u = torch.ones(1)\ndist.all_reduce(u)\n(u.item(), t.item())") == {0: (2.0, 3.0),
                                                                                            1: (2.0, 3.0)}
+        # A rank dies: the session is lost, and the error names that rank, not the peer the engine
+        # took down after it (torchrun, which knows its ranks' exits, also gives the signal).
         sid = s.session_id
+        with pytest.raises(nbdist.SessionLostError) as info:
+            s.execute("import os, signal\nif dist.get_rank() == 1:\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+                      "time.sleep(30)", timeout=60)
+        assert "rank 1 failed first" in str(info.value) and s.status == "broken", str(info.value)
+        if engine["launcher"] == "torchrun":
+            assert "killed by SIGSEGV" in str(info.value), str(info.value)
     wait_for(lambda: not marked_pids(sid), 15, what=f"the {engine['launcher']} session's tree to go")
 
 
@@ -185,40 +193,120 @@ def test_a_failure_on_one_torchrun_node_ends_both_and_each_names_it(tmp_path):
 
 
 SESSION_NODE_SCRIPT = """
-import json, sys
+import json, os, sys, time
 import nbdist
-with nbdist.Session(nprocs=2, launcher="torchrun", nnodes=2, node_rank=int(sys.argv[1]), master_addr=sys.argv[2],
+node = int(sys.argv[1])
+out = {{}}
+
+
+def said(e):
+    return str(e).split(chr(10))[0] + " | " + str(getattr(e, "note", None) or getattr(e, "report", None))
+
+
+with nbdist.Session(nprocs=2, launcher="torchrun", nnodes=2, node_rank=node, master_addr=sys.argv[2],
                     master_port=int(sys.argv[3])) as s:
     s.wait_ready(120)
     s.execute("import torch, torch.distributed as dist\\nkept = dist.get_rank() * 10", timeout=100)
-    world = s.execute("t = torch.ones(1) * (dist.get_rank() + 1)\\ndist.all_reduce(t)\\n"
-                      "(dist.get_world_size(), t.item())", timeout=100)
-    again = s.execute("dist.all_reduce(t)\\n(kept, t.item())", timeout=100)
-    failed = None
+    out["world"] = s.execute("t = torch.ones(1) * (dist.get_rank() + 1)\\ndist.all_reduce(t)\\n"
+                             "(dist.get_world_size(), t.item())", timeout=100)
+    out["again"] = s.execute("dist.all_reduce(t)\\n(kept, t.item())", timeout=100)
     try:  # rank 3 raises while every other rank of the world waits in a barrier
         s.execute("import time\\nif dist.get_rank() == 3:\\n    time.sleep(0.5)\\n    raise ValueError('bad shard')\\n"
                   "dist.barrier()", timeout=100)
-    except (nbdist.WorkerFailedError, nbdist.SessionLostError) as e:
-        failed = str(e).split(chr(10))[0]
-    print("RESULT " + json.dumps({{"world": world, "again": again, "sid": s.session_id, "failed": failed,
-                                  "status": s.status}}), flush=True)
+    except (nbdist.WorkerFailedError, nbdist.RunStoppedError) as e:
+        out["failed"] = said(e)
+    out["after"] = s.execute("u = torch.ones(1) * (dist.get_rank() + 1)\\ndist.all_reduce(u)\\n(kept, u.item())",
+                             timeout=100)
+    # Node 1 alone issues a collective (its ranks wait for node 0's, idle) and stops it: node 0,
+    # idle, releases its ranks and re-forms with node 1 by itself.
+    flag = os.path.join(sys.argv[4], "stray-done")
+    if node == 1:
+        stray = s.execute("dist.all_reduce(torch.ones(1))", join=False)
+        time.sleep(1)
+        t0 = time.monotonic()
+        stray.interrupt()
+        out["stray_s"] = time.monotonic() - t0
+        try:
+            stray.wait(60)
+        except (nbdist.WorkerFailedError, nbdist.RunStoppedError) as e:
+            out["stray"] = said(e)
+        open(flag, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    # A DDP model trained across both nodes; node 0's stop button stops the world's loop.
+    s.execute("from torch.nn.parallel import DistributedDataParallel as DDP\\ntorch.manual_seed(0)\\n"
+              "model = DDP(torch.nn.Linear(4, 1))\\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\\n"
+              "steps = 0\\ndef step():\\n    global steps\\n    model(torch.ones(8, 4)).sum().backward()\\n"
+              "    opt.step()\\n    opt.zero_grad()\\n    steps += 1", timeout=100)
+    loop = s.execute("while True:\\n    step()", join=False)
+    time.sleep(3)
+    if node == 0:
+        t0 = time.monotonic()
+        loop.interrupt()
+        out["stop_s"] = time.monotonic() - t0
+    try:
+        loop.wait(60)
+    except (nbdist.WorkerFailedError, nbdist.RunStoppedError) as e:
+        out["stopped"] = said(e)
+    out["trained"] = s.execute("for p in model.parameters():\\n    dist.broadcast(p.data, 0)\\n"
+                               "before = steps\\nfor _ in range(3):\\n    step()\\n"
+                               "(steps - before, round(sum(p.sum().item() for p in model.parameters()), 5))",
+                               timeout=100)
+    out["status"] = s.status
+    out["sum"] = s.execute("u = torch.ones(1)\\ndist.all_reduce(u)\\nu.item()", timeout=100)
+    # A rank of node 1 dies: node 1's session is lost, and node 0's stops at once, saying why.
+    if node == 1:
+        try:
+            s.execute("import os\\nif dist.get_rank() == 3:\\n    os._exit(3)", timeout=100)
+        except (nbdist.WorkerFailedError, nbdist.SessionLostError) as e:
+            out["died"] = said(e)
+    else:
+        t0 = time.monotonic()
+        while s.status != "broken" and time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+        out.update(lost=s.lost_reason, lost_s=time.monotonic() - t0)
+    out["sid"] = s.session_id
+print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def test_a_two_node_torchrun_session_keeps_state_across_cells_on_both_kernels(tmp_path):
+def test_a_two_node_torchrun_session_keeps_state_and_re_forms_across_both_kernels(tmp_path):
     """Two kernels, each with a session of 2 ranks under torchrun --nnodes 2: one world of 4 whose
-    ranks keep their state between cells on both kernels; closing leaves nothing of either."""
+    ranks keep their state between cells on both kernels. A rank raising on node 1 and the stop
+    button on node 0 each stop the world's cell on both kernels, which re-form the world's groups
+    together: the DDP model trains on and sums are right. Closing leaves nothing of either."""
     script = tmp_path / "session_node.py"
     script.write_text(SESSION_NODE_SCRIPT.format())
-    node0, node1 = _run_node_kernels(script, "127.0.0.1")
+    node0, node1 = _run_node_kernels(script, "127.0.0.1", extra=(str(tmp_path),))
     assert node0["world"] == {"0": [4, 10.0], "1": [4, 10.0]} and node1["world"] == {"2": [4, 10.0], "3": [4, 10.0]}
     assert node0["again"] == {"0": [0, 40.0], "1": [10, 40.0]} and node1["again"] == {"2": [20, 40.0], "3": [30, 40.0]}
-    # A failure across kernels can't be re-formed yet: both parts stop, each saying where the root cause is.
-    assert "rank 2 could not be brought back" in node1["failed"], node1  # its peers on node 0 never come
-    assert "rank 3 failed first: raised ValueError: bad shard" in node1["failed"], node1
-    assert node0["failed"].startswith("the session was stopped: ranks 0-1 lost their peers on another node "
-                                      "(ranks 2-3)"), node0
-    assert node0["status"] == node1["status"] == "broken"
+    # The raise: node 1 names its rank; node 0 names node 1 and the cause; both re-formed, state kept.
+    assert node1["failed"].startswith("rank 3 failed first: raised ValueError: bad shard"), node1
+    assert "re-formed in place across the 2 nodes' kernels" in node1["failed"], node1
+    assert "node 1's part of the cell stopped first: rank 3 raised ValueError: bad shard" in node0["failed"], node0
+    assert "re-formed in place across the 2 nodes' kernels" in node0["failed"], node0
+    assert node0["after"] == {"0": [0, 10.0], "1": [10, 10.0]} and node1["after"] == {"2": [20, 10.0], "3": [30, 10.0]}
+    # The stop button on node 0 only: node 1's part stopped too, saying why; both re-formed.
+    assert node0["stop_s"] < 5, node0
+    assert node0["stopped"].startswith("the run was interrupted"), node0
+    assert node1["stopped"].startswith("the run was interrupted"), node1
+    assert "node 0's part of the cell stopped first: it was interrupted; the process group was re-formed" in node1["stopped"], node1
+    trained = {**node0["trained"], **node1["trained"]}
+    assert {v[0] for v in trained.values()} == {3} and len({v[1] for v in trained.values()}) == 1, trained
+    assert set({**node0["sum"], **node1["sum"]}.values()) == {4.0}
+    assert node0["status"] == node1["status"] == "idle"
+    # Node 1's stray collective, stopped there, was released by node 0's idle ranks.
+    assert node1["stray"].startswith("the run was interrupted"), node1
+    assert "re-formed in place across the 2 nodes' kernels" in node1["stray"] and node1["stray_s"] < 5, node1
+    # A rank died on node 1: its session is lost, and node 0's part stops within seconds, naming node 1.
+    assert "rank 3" in node1["died"] and "exit" in node1["died"], node1
+    # Node 1's kernel says so the moment rank 3's channel closes; torchrun's agents end the world's
+    # store about 0.1 s later, which node 0 then reads as the same news, if it comes first.
+    assert node0["lost"].startswith(("the session was stopped: node 1's part of the world was lost (rank 3 ended)",
+                                     "the session was stopped: the world's store closed")), node0
+    assert node0["lost_s"] < 10, node0
     for node in (node0, node1):
         wait_for(lambda: not marked_pids(node["sid"]), 10, what="the node's session tree to go")
 

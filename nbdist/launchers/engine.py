@@ -119,6 +119,17 @@ class EngineLauncher:
     def sentinels(self) -> list[int]:
         return []
 
+    def exit_report(self) -> tuple[dict[int, int], int | None]:
+        """``({slot: exit code}, root-cause slot)`` as the engine reported them, where it does.
+
+        The kernel can't wait on the ranks of an engine (they are the engine's children, not
+        its own): their exit codes and signals are the engine's to tell. None here by default.
+        """
+        return {}, None
+
+    def wait_for_engine(self, timeout: float) -> None:
+        """Let an engine that reports its ranks' exits (torchrun) notice a failure and end by itself."""
+
     def poll(self) -> dict[int, int | None]:
         """slot -> exit code as far as the run dir tells it: 0 with a result, 1 with an error."""
         engine = None if self._engine is None else self._engine.poll()

@@ -12,15 +12,18 @@ that each kernel knows which ranks, logs and results are its own before they sta
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import ipaddress
 import os
+import re
 import socket
+import subprocess
 import sys
 from dataclasses import dataclass
 
 from ..errors import LaunchConfigError
-from .engine import EngineLauncher
+from .engine import EngineLauncher, tail_engine_log
 
 __all__ = ["TorchrunLauncher", "check_torchrun", "route_source_address", "interface_of"]
 
@@ -86,6 +89,21 @@ class TorchrunLauncher(EngineLauncher):
         if not 0 <= self.node_rank < self.nnodes:
             raise LaunchConfigError(f"node_rank={self.node_rank} must be in 0..{self.nnodes - 1} for nnodes={self.nnodes}")
 
+    def exit_report(self) -> tuple[dict[int, int], int | None]:
+        """The exit codes torchrun's failure summary gives (a signal as -N), and its root cause."""
+        offset = self.node_rank * self._nprocs
+        codes, root = parse_failure_summary(tail_engine_log(self._run_dir or "", max_lines=400))
+        inside = lambda r: 0 <= r - offset < self._nprocs  # noqa: E731
+        return ({r - offset: c for r, c in codes.items() if inside(r)},
+                root - offset if root is not None and inside(root) else None)
+
+    def wait_for_engine(self, timeout: float) -> None:
+        # torchrun sees a worker fail within its monitor interval, stops the others (SIGTERM) and
+        # prints which rank failed first, with its exit code or signal: worth a short wait.
+        if self._engine is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._engine.wait(timeout)
+
     def world_size_for(self, nprocs: int) -> int:
         return self.nnodes * nprocs
 
@@ -145,3 +163,20 @@ class TorchrunLauncher(EngineLauncher):
             if iface:
                 env["GLOO_SOCKET_IFNAME"] = iface
         return env
+
+
+_SUMMARY_ENTRY = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def parse_failure_summary(log: str) -> tuple[dict[int, int], int | None]:
+    """``({global rank: exit code}, root-cause rank)`` from the ``ChildFailedError`` summary that
+    torchrun prints when a worker fails ("Root Cause (first observed failure)")."""
+    if "Root Cause" not in log:
+        return {}, None
+    failures, _, root_part = log.rpartition("Root Cause")
+    codes = {int(r): int(c) for r, c in _SUMMARY_ENTRY.findall(failures.rpartition("Failures:")[2])}
+    root = _SUMMARY_ENTRY.search(root_part)
+    if root is None:
+        return codes, None
+    codes[int(root.group(1))] = int(root.group(2))
+    return codes, int(root.group(1))
