@@ -19,6 +19,7 @@ import signal
 from . import payload
 from .errors import SessionLostError, format_rank_set
 from .session_rank import count_collectives, reform_groups, reset_ddp_reducers
+from .worker import CUT_SIGNAL
 from .world_link import announce_stop
 
 __all__ = ["stop_cell", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
@@ -47,21 +48,23 @@ def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
     with session._lock:
         waiting = cell.busy_ranks()
         free = [r for r in sorted(session.pids) if r not in waiting]
-        # Across kernels, peers elsewhere may free a rank even when no rank here is free: each rank
-        # freed then drops its own connections in turn, as here.
-        release = ((bool(free) or bool(session.ranks_elsewhere())) and not cell.released and session.status == "busy"
-                   and session._active is cell)
+        release = bool(waiting) and not cell.released and session.status == "busy" and session._active is cell
         if release:
             cell.released, cell.release_sent = waiting, set(free)
-    if release and free:  # and each rank it frees drops its connections in turn (release_if_asked)
-        session._send(free, ("release",))
+    if release:
+        if free:  # and each rank it frees drops its connections in turn (release_if_asked)
+            session._send(free, ("release",))
+        if CUT_SIGNAL is not None:  # and a rank with no free peer (all stuck, or in a ring) cuts its own
+            for rank in waiting:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(session.pids[rank], CUT_SIGNAL)
     if cell.answered.wait(STUCK_AFTER_S):
         return
     stuck = cell.busy_ranks()
     if not stuck or session.status in ("broken", "closed"):
         return
     where = session._dump_stacks(stuck)
-    freed = "" if free else "; no rank was free to release it"
+    freed = "; cutting its process groups' connections did not free it" if CUT_SIGNAL is not None else ""
     if session.ranks_elsewhere():
         freed += (f"; the world's {format_rank_set(session.ranks_elsewhere())} are driven by other kernels, "
                   f"whose cell may have ended without this collective")
@@ -119,8 +122,11 @@ def call_on_ranks(session, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
     return handle.results
 
 
-def _why(cell, counts: dict) -> str:
+def _why(session, cell, counts: dict) -> str:
     """What left the ranks out of step, in the words of the cell's note."""
+    if cell.released and set(cell.released) >= set(session.pids):
+        return (f"{format_rank_set(cell.released)} waited in collectives that could not complete, and were released, "
+                f"each cutting its own connections")
     if cell.released:
         one = len(cell.released) == 1
         return (f"{format_rank_set(cell.released)} waited in a collective that {'its' if one else 'their'} peers "
@@ -155,7 +161,7 @@ def bring_in_step(session, cell) -> str | None:
         if any(a[2] for a in answers.values()):  # a backward stopped half-way: DDP's next step would fail
             call_on_ranks(session, reset_ddp_reducers)
         return replicas or None
-    why = _why(cell, counts)
+    why = _why(session, cell, counts)
     if across and in_step and not cell.released:
         why = f"as every node's kernel does after a cell that {'failed' if cell.failures else 'was stopped'}"
     kind = "failed" if cell.failures else "interrupted"

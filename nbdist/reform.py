@@ -12,13 +12,16 @@ CUDA tensors where asked). The object that DDP and the mesh hold never changes; 
 to does. :func:`release_groups` drops the inner groups (NCCL's are aborted first), which closes
 their connections, and a peer stuck in a collective fails at once; :func:`reform_groups` connects
 new inner groups under a fresh store prefix, in the order the groups were made (the same on every
-rank, as ``new_group`` is collective). It is registered as the backend ``"nbdist"`` (what
-``dist.get_backend()`` says in a session rank); groups made with ``new_group()`` are re-formable
-too, a group made with an explicit ``backend="gloo"`` is not. One-shot runs don't use it.
+rank, as ``new_group`` is collective). It is registered as the backend ``"nbdist"`` (``dist.get_backend()``
+still names the wrapped one); groups made with ``new_group()`` are re-formable too, a group made
+with an explicit ``backend="gloo"`` is not. One-shot runs don't use it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import time
 import weakref
 
@@ -26,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
-__all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "reform_groups", "count_collectives",
-           "live_groups", "reset_ddp_reducers", "count_unfinished_ddp"]
+__all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
+           "count_collectives", "live_groups", "reset_ddp_reducers", "count_unfinished_ddp"]
 
 BACKEND_NAME = "nbdist"
 
@@ -72,6 +75,7 @@ class ReformableGroup(dist.ProcessGroup):
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         store = dist.PrefixStore(f"nbdist-gen{self.generation}/", self._store)
+        before = set(_socket_inodes().values())
         inner = _CProcessGroup(store, self.rank(), self.size())
         default = None
         for device, backend in self._devices.items():
@@ -90,16 +94,44 @@ class ReformableGroup(dist.ProcessGroup):
             inner._register_backend(torch.device(device), kind, made)
             default = kind if default is None or device != "cpu" else default
         inner._set_default_backend(default)
+        # gloo connects its full mesh now: the sockets that appeared are this group's, to cut if
+        # the rank gets stuck in one of its collectives with no peer free to release it.
+        self._sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         return inner
 
     def release(self) -> None:
         """Drop the connections: a peer waiting in a collective of this group fails at once."""
         inner, self._inner = self._inner, None
+        self._sockets = {}
         if inner is None:
             return
         if "nccl" in self._devices.values():
             inner.abort()  # NCCL frees kernels that wait on a peer; gloo has nothing to abort
         del inner
+
+    def cut(self) -> int:
+        """From another thread, while this rank waits in one of the group's collectives: shut its
+        sockets down, so that the wait fails at once, here and at every peer (the object the main
+        thread waits on can't be dropped: its frame holds it). NCCL's communicators are aborted.
+        Returns how many sockets were cut; the group is re-formed before it is used again."""
+        inner, self._inner = self._inner, None
+        sockets, self._sockets = self._sockets, {}
+        if inner is not None and "nccl" in self._devices.values():
+            inner.abort()
+        cut = 0
+        for fd, inode in sockets.items():
+            if _socket_inodes([fd]).get(fd) != inode:
+                continue  # closed since (and the number perhaps reused): not ours any more
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    # gloo's listener aborts the process if its socket fails: only the pairs' go.
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not this duplicate
+                        cut += 1
+                finally:
+                    sock.close()
+        return cut
 
     def reform(self, generation: int) -> None:
         """Connect again under ``generation`` (every member must call this with the same number)."""
@@ -177,7 +209,23 @@ def register(backend: str) -> str:
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES))
     _track_ddp_models()
+    _report_wrapped_backend(backend)
     return BACKEND_NAME
+
+
+def _report_wrapped_backend(backend: str) -> None:
+    """``dist.get_backend()`` names the backend the user asked for ("gloo", "nccl"), not "nbdist":
+    user code and libraries compare it (``if dist.get_backend() == "nccl"``). Only the public name
+    is wrapped: torch's own calls inside ``distributed_c10d`` still see "nbdist", so a
+    ``new_group()`` without a backend is re-formable like the default group."""
+    public = getattr(dist.get_backend, "_nbdist_public", dist.get_backend)
+
+    def get_backend(group=None):
+        name = public(group)
+        return dist.Backend(backend) if name == BACKEND_NAME else name
+
+    get_backend.__doc__, get_backend._nbdist_public = public.__doc__, public
+    dist.get_backend = get_backend
 
 
 def live_groups() -> list[ReformableGroup]:
@@ -193,6 +241,22 @@ def release_groups() -> int:
     for group in groups:
         group.release()
     return len(groups)
+
+
+def cut_groups() -> int:
+    """Cut every group's connections from a thread of the rank's own (see :meth:`ReformableGroup.cut`)."""
+    return sum(group.cut() for group in live_groups())
+
+
+def _socket_inodes(fds=None) -> dict[int, str]:
+    """``{fd: "socket:[inode]"}`` of this process's sockets (of ``fds`` only, if given)."""
+    out = {}
+    for fd in fds if fds is not None else os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:"):
+                out[int(fd)] = target
+    return out
 
 
 def reform_groups(generation: int) -> dict:

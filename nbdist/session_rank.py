@@ -124,6 +124,7 @@ def serve_session(session_dir: str, address) -> None:
     from . import rank_display
 
     rank_display.install(send_display)  # display() and plt.show() reach the notebook
+    threading.Thread(target=_cut_when_asked, name="nbdist-cut", daemon=True).start()
     send(("hello", rank, os.getpid()))
     while True:
         try:
@@ -150,6 +151,23 @@ def serve_session(session_dir: str, address) -> None:
             kind, body = "failed", describe_exception(exc)
         current[0] = None
         send(("done", rank, cell_id, kind, body, _log_offsets()))
+
+
+def _cut_when_asked() -> None:
+    """A thread that waits for CUT_SIGNAL (blocked everywhere else, so no polling and no handler
+    that would need the main thread, which may be stuck in C) and cuts the groups' connections."""
+    from .worker import CUT_SIGNAL
+
+    if CUT_SIGNAL is None:
+        return
+    while True:
+        signal.sigwait({CUT_SIGNAL})
+        if _torch_groups_in_use():
+            from . import reform
+
+            cut = reform.cut_groups()
+            print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
+                  f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
 
 
 def load_value(blob: bytes):

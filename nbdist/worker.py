@@ -39,6 +39,10 @@ PR_SET_PDEATHSIG = 1
 # A signal no library uses, so that our "parent died" handler is never someone else's.
 PARENT_DIED_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGTERM
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+# A session rank stuck in a collective cuts its own group connections on this one (a thread of
+# its own waits for it with sigwait: the main thread may be inside C code). Blocked in every
+# thread of every rank from the start, so it is never delivered anywhere else.
+CUT_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 
 # Messages that a rank sees when a *peer* died: never the root cause if another rank failed too.
 _PEER_LOSS_MARKERS = (
@@ -143,6 +147,8 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
     """
     parent = os.getppid()
     expected_parent = parent_pid or spec.parent_pid
+    if CUT_SIGNAL is not None:  # before any thread starts: every one (torch's too) inherits the block
+        signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_SIGNAL})
     if own_group:
         try:
             os.setsid()

@@ -262,3 +262,8 @@ def test_the_reformable_group_connects_nccl_for_cuda_and_aborts_it_on_release(mo
     assert len(made) == 2 and group.generation == 1 and group.issued == 0
     group.allreduce([t]).wait()
     assert isinstance(group, ProcessGroup) and group.getGroupName() == "g"
+    # A rank stuck with no free peer cuts its own groups from a thread: NCCL is aborted there too
+    # (one rank has no peers, so no socket of a pair to shut down; gloo's listener is never cut).
+    aborted.clear()
+    monkeypatch.setattr(type(group._inner), "abort", lambda self: aborted.append(True), raising=False)
+    assert group.cut() == 0 and aborted == [True] and group._inner is None
