@@ -95,6 +95,18 @@ def main() -> None:
                         "    raise ValueError('bad shard')\ndist.barrier()")
             assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
             raises.append(res.seconds - 0.3)
+        # The stop button with every rank stuck (each in a recv from the next): no rank is free to
+        # release the others, so each cuts its own connections.
+        all_stuck = []
+        for _ in range(3):
+            msg = k.send("%%distributed --view text\nr = torch.zeros(1)\n"
+                         "dist.recv(r, src=(dist.get_rank() + 1) % dist.get_world_size())")
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            k.km.interrupt_kernel()
+            res = k.collect(msg, timeout=30)
+            assert res.status == "error" and "each cutting its own connections" in res.error_text, res.error_text
+            all_stuck.append(time.monotonic() - t0)
         # The forwarding: one small all_reduce through the session's group and through its inner group.
         res = k.run("%%distributed --view text\nimport time as _t\ng = dist.distributed_c10d._get_default_group()\n"
                     "def per_call(fn, n=2000):\n    dist.barrier()\n    t0 = _t.perf_counter()\n"
@@ -135,6 +147,8 @@ def main() -> None:
     print(f"  stop button -> ranks idle, state kept       {med(stops) * ms:7.1f} ms (median of {len(stops)})")
     print(f"  stop button, a rank stuck in DDP backward   {med(stuck_stops) * ms:7.1f} ms to idle, of which "
           f"re-forming the group {med(reforms) * ms:.1f} ms (median of {len(stuck_stops)})")
+    print(f"  stop button, every rank stuck in a recv     {med(all_stuck) * ms:7.1f} ms to idle (each cut its own "
+          f"connections; median of {len(all_stuck)})")
     print(f"  a rank raises, its peers in a collective    {med(raises) * ms:7.1f} ms to the error, group re-formed "
           f"(goal <= 2000 ms)")
     print(f"  all_reduce of 16 floats, rank 0: {outer * 1e6:.1f} us through the session's group, "

@@ -18,7 +18,7 @@ import signal
 
 from . import payload
 from .errors import SessionLostError, format_rank_set
-from .session_rank import count_collectives, reform_groups, reset_ddp_reducers
+from .session_rank import CUT_REQUEST, count_collectives, reform_groups, reset_models
 from .worker import CUT_SIGNAL
 from .world_link import announce_stop
 
@@ -40,9 +40,9 @@ def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
     the collective it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
     announce_stop(session, cell)  # a session across kernels: the other nodes stop their part too
     busy = cell.busy_ranks()
-    for rank in busy:
+    for pid in session.local_pids(busy):  # (a rank on another machine can't be signalled from here)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(session.pids[rank], signal.SIGINT)
+            os.kill(pid, signal.SIGINT)
     if not busy or cell.answered.wait(release_after):
         return
     with session._lock:
@@ -55,9 +55,10 @@ def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
         if free:  # and each rank it frees drops its connections in turn (release_if_asked)
             session._send(free, ("release",))
         if CUT_SIGNAL is not None:  # and a rank with no free peer (all stuck, or in a ring) cuts its own
-            for rank in waiting:
+            payload.write_private(os.path.join(cell.cell_dir, CUT_REQUEST), b"")  # for this cell only
+            for pid in session.local_pids(waiting):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(session.pids[rank], CUT_SIGNAL)
+                    os.kill(pid, CUT_SIGNAL)
     if cell.answered.wait(STUCK_AFTER_S):
         return
     stuck = cell.busy_ranks()
@@ -158,8 +159,8 @@ def bring_in_step(session, cell) -> str | None:
     replicas = _replicas_note({r: a[3] for r, a in answers.items()})
     in_step = len({tuple(sorted(c.items())) for c in counts.values()}) == 1
     if in_step and not cell.released and not across:
-        if any(a[2] for a in answers.values()):  # a backward stopped half-way: DDP's next step would fail
-            call_on_ranks(session, reset_ddp_reducers)
+        if any(a[2] for a in answers.values()):  # a step stopped half-way: the next one would not pair up
+            call_on_ranks(session, reset_models)
         return replicas or None
     why = _why(session, cell, counts)
     if across and in_step and not cell.released:

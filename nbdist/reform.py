@@ -29,8 +29,10 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
+from .model_recovery import reset_ddp_reducers, reset_fsdp_roots, track_ddp_models
+
 __all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
-           "count_collectives", "live_groups", "reset_ddp_reducers", "count_unfinished_ddp"]
+           "count_collectives", "live_groups"]
 
 BACKEND_NAME = "nbdist"
 
@@ -208,7 +210,7 @@ def register(backend: str) -> str:
     _DEVICES.update({"cpu": "gloo"} if backend == "gloo" else {"cpu": "gloo", "cuda": "nccl"})
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES))
-    _track_ddp_models()
+    track_ddp_models()
     _report_wrapped_backend(backend)
     return BACKEND_NAME
 
@@ -274,68 +276,9 @@ def reform_groups(generation: int) -> dict:
         group.reform(generation)
     connected = time.monotonic()
     models = reset_ddp_reducers()
-    return {"groups": len(groups), "seconds": time.monotonic() - start, "ddp_models": models,
+    fsdp_roots = reset_fsdp_roots()
+    return {"groups": len(groups), "seconds": time.monotonic() - start, "ddp_models": models, "fsdp_roots": fsdp_roots,
             "release_s": released - start, "connect_s": connected - released, "reset_s": time.monotonic() - connected}
-
-
-_DDP_MODELS: list[weakref.ref] = []  # in the order the rank built them: the same order on every rank
-
-
-def _track_ddp_models() -> None:
-    """Remember each DDP model a session rank builds (a weak set: the user's models stay theirs).
-
-    Scanning ``gc.get_objects()`` for them instead costs 100-200 ms per re-forming with torch loaded.
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    init = DistributedDataParallel.__init__
-    if getattr(init, "_nbdist_tracked", False):
-        return
-
-    def tracked_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        _DDP_MODELS.append(weakref.ref(self))
-
-    tracked_init._nbdist_tracked = True
-    DistributedDataParallel.__init__ = tracked_init
-
-
-def reset_ddp_reducers() -> int:
-    """Forget every DDP model's half-done reduction, on every rank alike.
-
-    A model interrupted between its first gradient hook and the end of backward still expects
-    that reduction to finish ("Expected to have finished reduction in the prior iteration").
-    Resetting also makes the reducer rebuild its buckets at the next step, which is a broadcast:
-    so every rank resets every model (a reset on some ranks only would hang that broadcast).
-    """
-    models = _live_ddp_models()
-    for model in models:
-        model.reducer._reset_state()
-    return len(models)
-
-
-def _live_ddp_models() -> list:
-    models = [ref() for ref in _DDP_MODELS]
-    _DDP_MODELS[:] = [weakref.ref(m) for m in models if m is not None]
-    return [m for m in models if m is not None]
-
-
-def fingerprint_ddp_models() -> list[float]:
-    """A float64 sum of each DDP model's parameters: replicas in step have bit-equal parameters,
-    so equal sums on every rank; a rank that took one optimizer step more shows a different one."""
-    with torch.no_grad():
-        return [float(sum(p.detach().double().sum().item() for p in m.parameters())) for m in _live_ddp_models()]
-
-
-def count_unfinished_ddp() -> int:
-    """DDP models of this rank whose last backward was stopped before its reduction finished."""
-    unfinished = 0
-    for model in _live_ddp_models():
-        try:
-            model.reducer._check_reducer_finalized()
-        except RuntimeError:
-            unfinished += 1
-    return unfinished
 
 
 def count_collectives():

@@ -7,10 +7,11 @@ files, and a rank that *dies* takes the whole tree down (the session is then "br
 
 Two levels, and every step knows which it is in:
 
-* *cell* level (:mod:`nbdist.session_cell`): a cell finishes, fails or is interrupted; the ranks
-  go back to idle with their namespaces kept. A rank left in a collective is released by its free
-  peers dropping their connections, and every rank's process groups are then re-formed in place
-  (:mod:`nbdist.reform`, :mod:`nbdist.recovery`) before the cell says it is done.
+* *cell* level (:mod:`nbdist.session_cells`, each cell a :mod:`nbdist.session_cell` handle): a
+  cell finishes, fails or is interrupted; the ranks go back to idle with their namespaces kept.
+  A rank left in a collective is released (its free peers drop their connections, or it cuts its
+  own), and every rank's process groups are then re-formed in place (:mod:`nbdist.reform`,
+  :mod:`nbdist.recovery`) before the cell says it is done.
 * *session* level: a rank that died, or can't be brought back from C code within a few seconds,
   ends the session and its whole tree; its state is lost and the next cell says so.
 
@@ -29,17 +30,19 @@ import contextlib
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 import weakref
 from multiprocessing.connection import Listener, wait
 
 from . import payload
-from .errors import LaunchConfigError, SessionLostError, format_rank_set
+from .errors import LaunchConfigError, SessionLostError
 from .options import WorldOptions
-from .recovery import CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, recover, release_if_asked, stop_cell
+from .recovery import RELEASE_AFTER_PEER_FAILED_S, recover, release_if_asked
 from .session_cell import CellHandle
-from .session_rank import SESSION_KEY_FILE, get_name, serve_session, set_names, set_nodelay
+from .session_cells import CellLevel
+from .session_rank import SESSION_KEY_FILE, serve_session, set_nodelay
 from .streams import OutputChunk
 from .world_link import link_kernels, tell_world_gone
 
@@ -49,7 +52,7 @@ __all__ = ["Session"]
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-class Session:
+class Session(CellLevel):
     """Ranks that stay alive between cells, each with its namespace and its process group.
 
     Parameters are :func:`nbdist.launch`'s world options. The ranks start in the background
@@ -92,6 +95,7 @@ class Session:
         self.status, self.lost_reason = "starting", None
         self._conns: dict[int, object] = {}
         self._pids: dict[int, int] = {}
+        self._remote: set[int] = set()  # ranks on other machines (srun, mpirun with hosts)
         self._active: CellHandle | None = None
         self._recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
         self._send_lock = threading.Lock()
@@ -148,13 +152,15 @@ class Session:
         while len(self._conns) < self.nprocs and self.status == "starting":
             try:
                 conn = self._listener.accept()
-                _, rank, pid = conn.recv()
+                _, rank, pid, host = conn.recv()
             except Exception:  # an authentication failure, a client that went away, or our own close
                 if self.status != "starting":
                     return
                 continue
             set_nodelay(conn)
             self._conns[rank], self._pids[rank] = conn, pid
+            if host != socket.gethostname():  # a pid of another machine: never one to signal here
+                self._remote.add(rank)
         self._listener.close()  # nothing more may connect
         with self._lock:
             if self.status == "starting":
@@ -287,9 +293,9 @@ class Session:
                 with contextlib.suppress(OSError), self._send_lock:
                     conn.send(("close",))
             if was == "busy":  # the cell is interrupted first; the ranks then read "close"
-                for rank in self._active.busy_ranks():
+                for pid in self.local_pids(self._active.busy_ranks()):
                     with contextlib.suppress(ProcessLookupError):
-                        os.kill(self._pids[rank], signal.SIGINT)
+                        os.kill(pid, signal.SIGINT)
             with contextlib.suppress(Exception):
                 self.rank_run.wait(timeout)
         if not self.rank_run.done:
@@ -323,6 +329,10 @@ class Session:
         """rank -> pid of each rank that said hello."""
         return dict(sorted(self._pids.items()))
 
+    def local_pids(self, ranks) -> list[int]:
+        """The pids of ``ranks`` that run on this machine: the ones a signal may reach."""
+        return [self._pids[r] for r in ranks if r in self._pids and r not in self._remote]
+
     def ranks_elsewhere(self) -> list[int]:
         """Ranks of the world that other kernels drive (a session across nodes, torchrun --nnodes)."""
         if self.options.nnodes == 1:
@@ -338,125 +348,6 @@ class Session:
         if self.status == "closed":
             raise SessionLostError("the session was closed; restart() starts it again")
         return True
-
-    # ---- cell level --------------------------------------------------------------------------
-    def run(self, fn, *args, ranks=None, timeout=None, join=True, **kwargs):
-        """Run ``fn(*args, **kwargs)`` on the session's ranks (or ``ranks``); return ``{rank: value}``.
-
-        Raises WorkerFailedError (the rank that raised first, with its traceback) when a rank
-        raised; the ranks are then idle again with their state kept. ``join=False`` returns the
-        :class:`~nbdist.session_cell.CellHandle`. ``timeout`` interrupts the cell when it expires.
-        """
-        cell = self._submit(lambda cell_dir: payload.write_payload(cell_dir, fn, args, kwargs), ranks, timeout)
-        return cell if not join else cell.wait()
-
-    def execute(self, code: str, ranks=None, timeout=None, join=True):
-        """Run source text on the ranks, in their ``__main__``: its last expression is each rank's value."""
-        import ast
-
-        from .cell import run_cell
-
-        def write(cell_dir):
-            cell_file = os.path.join(cell_dir, "cell.py")
-            text = code if code.endswith("\n") else code + "\n"
-            ast.parse(text, filename=cell_file)  # a SyntaxError names the line before anything runs
-            payload.write_private(cell_file, text.encode("utf-8"))  # tracebacks show the code's own lines
-            payload.write_payload(cell_dir, run_cell, (cell_file, {}, {}, []), {})
-
-        cell = self._submit(write, ranks, timeout)
-        return cell if not join else cell.wait()
-
-    def push(self, ranks=None, **values) -> None:
-        """Set ``values`` as names in each rank's namespace."""
-        self.run(set_names, values, ranks=ranks)
-
-    def pull(self, name: str, ranks=None) -> dict:
-        """``{rank: value}`` of ``name`` in each rank's namespace."""
-        return self.run(get_name, name, ranks=ranks)
-
-    def _submit(self, write, ranks, timeout) -> CellHandle:
-        targets = self.prepare(ranks)
-        cell_dir = self.new_cell_dir()
-        try:
-            write(cell_dir)
-        except BaseException:
-            payload.discard_run_dir(cell_dir)
-            raise
-        return self.start_cell(cell_dir, targets, timeout)
-
-    def prepare(self, ranks=None) -> list[int]:
-        """Wait until the session can take a cell; return the ranks it will run on.
-
-        Raises SessionLostError when it can't (lost, closed), RuntimeError while a cell runs.
-        """
-        self.wait_ready()  # a cell sent while the session starts waits for it
-        self._in_step.wait(CHECK_TIMEOUT_S + 10)  # and one sent while it re-forms with other nodes
-        targets = sorted(self._conns) if ranks is None else sorted(set(ranks))
-        unknown = [r for r in targets if r not in self._conns]
-        if unknown or not targets:
-            raise LaunchConfigError(f"ranks must be a subset of {format_rank_set(self._conns)}, got {ranks!r}")
-        if self.status == "busy":
-            raise RuntimeError(f"cell {self._active.cell_id} is still running in this session; "
-                               "wait for it or interrupt it")
-        return targets
-
-    def new_cell_dir(self) -> str:
-        """A private folder for the next cell's record (its payload, its source)."""
-        with self._lock:
-            self._cells += 1
-            cell_dir = os.path.join(self.run_dir, "cells", f"{self._cells:04d}")
-        os.makedirs(cell_dir, mode=0o700)
-        return cell_dir
-
-    def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False) -> CellHandle:
-        """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once.
-
-        ``internal``: nbdist's own call while it brings the ranks in step after a user's cell.
-        """
-        with self._lock:
-            if self.status != ("busy" if internal else "idle"):
-                raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
-            cell = self._active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal)
-            self.status = "busy"
-        self._send(targets, ("cell", cell.cell_id, cell_dir))
-        if timeout is not None:
-            timer = threading.Timer(timeout, self.interrupt_cell, args=(cell,))
-            timer.daemon = True
-            timer.start()
-        return cell
-
-    def interrupt(self) -> None:
-        """The stop button: interrupt the running cell, if any; the ranks keep their state."""
-        if self._active is not None and not self._active.done:
-            self.interrupt_cell(self._active)
-
-    def _send(self, ranks, message) -> None:
-        with self._send_lock:  # the stop button's thread and the cell's may both write
-            for rank in ranks:
-                self._conns[rank].send(message)
-
-    def interrupt_cell(self, cell: CellHandle, release_after: float = RELEASE_AFTER_S) -> None:
-        """SIGINT to every busy rank; release a rank left in a collective; a stuck one ends the session
-        (:func:`nbdist.recovery.stop_cell`)."""
-        stop_cell(self, cell, release_after)
-
-    def _dump_stacks(self, ranks) -> str:
-        """Each stuck rank's stack into its log (as a timeout does); where the first one stood."""
-        dumps = self.stacks(ranks, timeout=0.5)
-        first = dumps.get(ranks[0])
-        return f", {first.where}; stacks in the rank logs" if first is not None else ""
-
-    def stacks(self, ranks=None, timeout: float = 2.0) -> dict:
-        """Every rank's Python stack, now, without stopping anything: ``{rank: StackDump}``.
-
-        The answer to "is it hung, and where?". Each dump also goes into the rank's log.
-        """
-        from .stacks import dump_stacks
-
-        ranks = sorted(self._pids) if ranks is None else list(ranks)
-        return dump_stacks({r: (self._pids.get(r), payload.log_path(self.run_dir, r, "stderr")) for r in ranks},
-                           timeout)
-
 
 @atexit.register
 def _close_live_sessions() -> None:

@@ -19,14 +19,15 @@ import contextlib
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 from multiprocessing.connection import Client
 
 from . import payload
 
-__all__ = ["serve_session", "set_nodelay", "SESSION_KEY_FILE", "load_value", "set_names", "get_name",
-           "count_collectives", "reform_groups", "reset_ddp_reducers"]
+__all__ = ["serve_session", "set_nodelay", "SESSION_KEY_FILE", "CUT_REQUEST", "load_value", "set_names", "get_name",
+           "count_collectives", "reform_groups", "reset_models"]
 
 SESSION_KEY_FILE = "session.key"
 
@@ -124,8 +125,9 @@ def serve_session(session_dir: str, address) -> None:
     from . import rank_display
 
     rank_display.install(send_display)  # display() and plt.show() reach the notebook
-    threading.Thread(target=_cut_when_asked, name="nbdist-cut", daemon=True).start()
-    send(("hello", rank, os.getpid()))
+    running = _RunningCell()
+    threading.Thread(target=_cut_when_asked, args=(running,), name="nbdist-cut", daemon=True).start()
+    send(("hello", rank, os.getpid(), socket.gethostname()))
     while True:
         try:
             message = conn.recv()
@@ -140,6 +142,7 @@ def serve_session(session_dir: str, address) -> None:
         start = _log_offsets()
         send(("started", rank, cell_id, start))
         current[0] = cell_id
+        running.enter(cell_dir)
         try:
             kind, body = _run_one(cell_dir, rank)
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -149,25 +152,53 @@ def serve_session(session_dir: str, address) -> None:
             from .worker import describe_exception
 
             kind, body = "failed", describe_exception(exc)
+        running.leave()
         current[0] = None
         send(("done", rank, cell_id, kind, body, _log_offsets()))
 
 
-def _cut_when_asked() -> None:
+CUT_REQUEST = "cut"  # the file, in a cell's dir, by which the kernel asks the ranks stuck in it to cut
+
+
+class _RunningCell:
+    """The cell this rank's main thread runs, as the cut thread may see it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.cell_dir: str | None = None
+
+    def enter(self, cell_dir: str) -> None:
+        with self.lock:
+            self.cell_dir = cell_dir
+
+    def leave(self) -> None:
+        with self.lock:  # never while a cut is under way: the groups it cuts are this cell's
+            self.cell_dir = None
+
+
+def _cut_when_asked(running: _RunningCell) -> None:
     """A thread that waits for CUT_SIGNAL (blocked everywhere else, so no polling and no handler
-    that would need the main thread, which may be stuck in C) and cuts the groups' connections."""
+    that would need the main thread, which may be stuck in C) and cuts the groups' connections.
+
+    Only while the main thread still runs the cell the kernel asked about (its dir holds the
+    request): a signal that comes late, once the cell is over and the groups perhaps re-formed,
+    must not cut the new ones.
+    """
     from .worker import CUT_SIGNAL
 
     if CUT_SIGNAL is None:
         return
     while True:
         signal.sigwait({CUT_SIGNAL})
-        if _torch_groups_in_use():
+        with running.lock:
+            asked = running.cell_dir is not None and os.path.exists(os.path.join(running.cell_dir, CUT_REQUEST))
+            if not asked or not _torch_groups_in_use():
+                continue
             from . import reform
 
             cut = reform.cut_groups()
-            print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
-                  f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
+        print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
+              f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
 
 
 def load_value(blob: bytes):
@@ -188,21 +219,25 @@ def _torch_groups_in_use() -> bool:
 
 def count_collectives():
     """Run on ranks after a cell ended abnormally: ``(re-formable, {group: collectives issued},
-    DDP models left mid-reduction, DDP models' fingerprints)``, or None without a process group.
+    models to reset (DDP ones left mid-reduction, FSDP2 roots), DDP models' fingerprints)``, or None
+    without a process group.
     Equal counts on every rank: the groups are still in step."""
     if not _torch_groups_in_use():
         return None
     from . import reform
 
-    return (bool(reform.live_groups()), reform.count_collectives(), reform.count_unfinished_ddp(),
-            reform.fingerprint_ddp_models())
+    from . import model_recovery as models
+
+    return (bool(reform.live_groups()), reform.count_collectives(),
+            models.count_unfinished_ddp() + models.count_fsdp_roots(), models.fingerprint_ddp_models())
 
 
-def reset_ddp_reducers() -> int:
-    """Run on every rank when some DDP model's backward was stopped half-way (see :mod:`nbdist.reform`)."""
-    from . import reform
+def reset_models() -> int:
+    """Run on every rank alike when a DDP backward or an FSDP2 step may have been stopped half-way
+    (see :mod:`nbdist.model_recovery`)."""
+    from . import model_recovery as models
 
-    return reform.reset_ddp_reducers()
+    return models.reset_ddp_reducers() + models.reset_fsdp_roots()
 
 
 def release_groups() -> None:

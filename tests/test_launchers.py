@@ -203,6 +203,19 @@ def said(e):
     return str(e).split(chr(10))[0] + " | " + str(getattr(e, "note", None) or getattr(e, "report", None))
 
 
+def stop(cell, press):
+    \"\"\"Press stop on ``cell`` (or not: another node's kernel does); what it said, and the seconds to idle.\"\"\"
+    t0 = time.monotonic()
+    if press:
+        cell.interrupt()
+    took = time.monotonic() - t0
+    try:
+        cell.wait(60)
+    except (nbdist.WorkerFailedError, nbdist.RunStoppedError) as e:
+        return said(e), took
+    return None, took
+
+
 with nbdist.Session(nprocs=2, launcher="torchrun", nnodes=2, node_rank=node, master_addr=sys.argv[2],
                     master_port=int(sys.argv[3])) as s:
     s.wait_ready(120)
@@ -223,13 +236,7 @@ with nbdist.Session(nprocs=2, launcher="torchrun", nnodes=2, node_rank=node, mas
     if node == 1:
         stray = s.execute("dist.all_reduce(torch.ones(1))", join=False)
         time.sleep(1)
-        t0 = time.monotonic()
-        stray.interrupt()
-        out["stray_s"] = time.monotonic() - t0
-        try:
-            stray.wait(60)
-        except (nbdist.WorkerFailedError, nbdist.RunStoppedError) as e:
-            out["stray"] = said(e)
+        out["stray"], out["stray_s"] = stop(stray, press=True)
         open(flag, "w").close()
     else:
         deadline = time.monotonic() + 60
@@ -242,14 +249,7 @@ with nbdist.Session(nprocs=2, launcher="torchrun", nnodes=2, node_rank=node, mas
               "    opt.step()\\n    opt.zero_grad()\\n    steps += 1", timeout=100)
     loop = s.execute("while True:\\n    step()", join=False)
     time.sleep(3)
-    if node == 0:
-        t0 = time.monotonic()
-        loop.interrupt()
-        out["stop_s"] = time.monotonic() - t0
-    try:
-        loop.wait(60)
-    except (nbdist.WorkerFailedError, nbdist.RunStoppedError) as e:
-        out["stopped"] = said(e)
+    out["stopped"], out["stop_s"] = stop(loop, press=node == 0)
     out["trained"] = s.execute("for p in model.parameters():\\n    dist.broadcast(p.data, 0)\\n"
                                "before = steps\\nfor _ in range(3):\\n    step()\\n"
                                "(steps - before, round(sum(p.sum().item() for p in model.parameters()), 5))",

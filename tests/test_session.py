@@ -118,6 +118,17 @@ def test_interrupt_a_python_loop_keeps_the_namespace(session):
 ALL_REDUCE = "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt.item()"
 
 
+def _press_stop(cell, expected):
+    """Wait until every targeted rank runs ``cell``, let it settle, press stop; ``(error, seconds)``."""
+    wait_for(lambda: len(cell.offsets) == len(cell.targets), 30, what="the cell to start on every rank")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    cell.interrupt()
+    with pytest.raises(expected) as info:
+        cell.wait(30)
+    return info.value, time.monotonic() - t0
+
+
 def _trains_on(session, before: float, said: str = "") -> None:
     """The group sums right and the same DDP model trains on, its replicas equal.
 
@@ -221,8 +232,7 @@ def test_interrupt_a_ddp_training_loop_anywhere_keeps_the_model(session):
     _trains_on(session, before, said)
 
 
-def test_fsdp2_model_trains_on_after_a_rank_raised_mid_step(session):
-    session.execute("""
+FSDP_MODEL = """
 import torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 torch.manual_seed(0)
@@ -236,12 +246,35 @@ X = torch.randn(64, 8, generator=g); Y = X.sum(1, keepdim=True)
 def fsdp_step():
     opt.zero_grad(); loss = ((net(X) - Y) ** 2).mean(); loss.backward(); opt.step()
     return loss.item()
-""")
+"""
+
+
+def test_fsdp2_model_trains_on_after_a_rank_raised_mid_step(session):
+    session.execute(FSDP_MODEL)
     before = session.execute("[fsdp_step() for _ in range(3)][-1]")[0]
     with pytest.raises(WorkerFailedError, match="OOM-like"):
         session.execute("for i in range(10**6):\n    if i == 4 and dist.get_rank() == 0:\n"
                         "        raise MemoryError('OOM-like')\n    fsdp_step()")
     after = session.execute("[fsdp_step() for _ in range(10)][-1]", timeout=60)
+    assert after[0] < before, (before, after)
+    assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
+
+
+def test_an_fsdp2_loop_stopped_anywhere_trains_on(session):
+    """The stop lands mid-forward, mid-backward or in the optimizer, at a different point on each
+    rank: some layers may stay unsharded on one rank, an all-gather prefetched on another. FSDP2's
+    own per-iteration reset, on every rank, lets the next step's collectives pair up again."""
+    session.execute(FSDP_MODEL)
+    before = session.execute("fsdp_step()")[0]
+    for delay in (0.3, 0.5, 0.7, 0.9):
+        cell = session.execute("while True:\n    fsdp_step()", join=False)
+        wait_for(lambda: len(cell.offsets) == 2, 30, what="training to start")
+        time.sleep(delay)
+        cell.interrupt()
+        with pytest.raises(RunStoppedError):
+            cell.wait(30)
+        assert session.status == "idle"
+        after = session.execute("[fsdp_step() for _ in range(3)][-1]", timeout=60)
     assert after[0] < before, (before, after)
     assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
 
@@ -271,14 +304,8 @@ def test_ranks_stuck_with_no_free_peer_cut_their_own_connections_and_keep_their_
     own groups' sockets (a thread of its own, woken by a signal), and the groups are re-formed."""
     session.execute("import torch, torch.distributed as dist\nkept = dist.get_rank() * 10")
     cell = session.execute("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank())", join=False)
-    wait_for(lambda: len(cell.offsets) == 2, 30, what="both ranks to wait")
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    cell.interrupt()
-    with pytest.raises(RunStoppedError) as info:
-        cell.wait(30)
-    took = time.monotonic() - t0
-    report = info.value.report
+    error, took = _press_stop(cell, RunStoppedError)
+    report = error.report
     print(f"both ranks stuck in recv -> idle in {took:.2f} s: {report}")
     assert "ranks 0-1 waited in collectives that could not complete, and were released" in report, report
     assert "re-formed in place" in report and took < 3.0 and session.status == "idle", report
@@ -290,14 +317,8 @@ def test_ranks_stuck_where_nothing_can_free_them_stop_the_session_and_say_where(
     session is stopped within seconds, saying which ranks, where, and that the state is lost."""
     session.execute("import torch, torch.distributed as dist\ng = dist.new_group(backend='gloo')")
     cell = session.execute("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank(), group=g)", join=False)
-    wait_for(lambda: len(cell.offsets) == 2, 30, what="both ranks to wait")
-    time.sleep(0.3)
-    t0 = time.monotonic()
-    cell.interrupt()
-    with pytest.raises(SessionLostError) as info:
-        cell.wait(30)
-    took = time.monotonic() - t0
-    text = str(info.value)
+    error, took = _press_stop(cell, SessionLostError)
+    text = str(error)
     assert "ranks 0-1 could not be brought back" in text and "did not free it" in text, text
     assert "in recv" in text and "restart()" in text, text
     assert session.status == "broken" and took < 6.0
