@@ -70,7 +70,7 @@ def _skip_exit_finalizers() -> None:
     """Don't let a forked rank spend 40 ms at exit unregistering torch's operator libraries.
 
     A warm rank leaves through ``os._exit`` after the user's atexit handlers (see
-    :func:`nbdist.worker._leave_forked_rank`); torch's ``weakref.finalize`` hooks that reset its
+    :func:`nbdist.worker._leave_rank`); torch's ``weakref.finalize`` hooks that reset its
     134 import-time ``torch.library`` registrations would run among them, for a process about to
     vanish. They are marked ``atexit = False`` (a public attribute of finalizers) here, once,
     before any fork. Reaching them needs ``weakref.finalize._registry``, the only list there is.

@@ -378,19 +378,19 @@ def run_spawned_rank(local_rank: int, run_dir: str, parent_pid: int | None = Non
         # Interpreter shutdown would now wait up to 5 s joining DataLoader workers (which ignore
         # SIGINT), or hang in a process group's destructor waiting for dead peers.
         os._exit(code)
-    if parent_pid:
-        _leave_forked_rank()
-    # A normal exit, so that the user's atexit handlers (loggers, trackers) run.
-    sys.exit(0)
+    _leave_rank()
 
 
-def _leave_forked_rank() -> None:
-    """Exit a rank forked from the warm template as an interpreter would, minus the slow part.
+def _leave_rank() -> None:
+    """Exit a rank as an interpreter would, minus the teardown of torch's C++ state.
 
-    Interpreter teardown in a fork of a process that imported torch touches every inherited
-    object and copies its page (about 0.7 s here). What users rely on at exit still happens, in
-    the interpreter's order: non-daemon threads are joined, atexit handlers run, and the user's
-    namespace is released (files it left open are flushed and closed). Then ``os._exit``.
+    What users rely on at exit happens, in the interpreter's order: non-daemon threads are
+    joined, atexit handlers (loggers, trackers) run, and the user's namespace is released (files
+    it left open are flushed and closed). Then ``os._exit``. The teardown skipped is slow in a
+    rank forked from the warm template (it touches every inherited object and copies its page:
+    about 0.7 s here), and in any rank it destroys torch's static C++ objects after Python is
+    gone, which once aborted a rank that had already returned its result ("terminate called
+    without an active exception", SIGABRT).
     """
     import atexit
     import gc

@@ -47,6 +47,27 @@ def test_lambdas_closures_and_kwargs_travel_by_value():
     assert nbdist.launch(lambda: nbdist.world_size(), nprocs=2) == {0: 2, 1: 2}
 
 
+def test_a_rank_that_returns_runs_its_atexit_handlers_and_exits_cleanly(start_method, tmp_path):
+    """A rank leaves without torch's C++ teardown (see worker._leave_rank), but what users rely on
+    at exit still runs: atexit handlers (loggers, trackers), files flushed."""
+
+    def register(path):
+        import atexit
+
+        import sys
+
+        handle = open(os.path.join(path, f"log.{nbdist.rank()}"), "w")
+        handle.write("unflushed")
+        sys.modules["__main__"].__dict__["kept_open"] = handle  # open until the rank's namespace goes
+        atexit.register(lambda: open(os.path.join(path, f"exit.{nbdist.rank()}"), "w").close())
+        return nbdist.rank()
+
+    run = nbdist.launch(register, str(tmp_path), nprocs=2, join=False)
+    assert run.wait(60) == {0: 0, 1: 1} and all(st.exitcode == 0 for st in run.ranks.values())
+    assert sorted(p.name for p in tmp_path.glob("exit.*")) == ["exit.0", "exit.1"]
+    assert all(p.read_text() == "unflushed" for p in tmp_path.glob("log.*"))
+
+
 def test_functions_and_classes_from_main_work(run_script):
     proc = run_script(
         """
