@@ -36,8 +36,9 @@ CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for ev
 
 def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
     """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
-    ``release_after`` waits in C code: the free ranks drop their group connections, which fails
-    the collective it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
+    ``release_after`` waits in C code: the free ranks drop their group connections, and the busy
+    ones cut their own (:func:`nbdist.session_rank._cut_when_asked`), which fails the collective
+    it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
     announce_stop(session, cell)  # a session across kernels: the other nodes stop their part too
     busy = cell.busy_ranks()
     for pid in session.local_pids(busy):  # (a rank on another machine can't be signalled from here)
@@ -65,7 +66,9 @@ def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
     if not stuck or session.status in ("broken", "closed"):
         return
     where = session._dump_stacks(stuck)
-    freed = "; cutting its process groups' connections did not free it" if CUT_SIGNAL is not None else ""
+    one = len(stuck) == 1
+    freed = (f"; cutting {'its' if one else 'their'} process groups' connections did not free "
+             f"{'it' if one else 'them'}") if CUT_SIGNAL is not None else ""
     if session.ranks_elsewhere():
         freed += (f"; the world's {format_rank_set(session.ranks_elsewhere())} are driven by other kernels, "
                   f"whose cell may have ended without this collective")

@@ -319,7 +319,7 @@ def test_ranks_stuck_where_nothing_can_free_them_stop_the_session_and_say_where(
     cell = session.execute("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank(), group=g)", join=False)
     error, took = _press_stop(cell, SessionLostError)
     text = str(error)
-    assert "ranks 0-1 could not be brought back" in text and "did not free it" in text, text
+    assert "ranks 0-1 could not be brought back" in text and "did not free them" in text, text
     assert "in recv" in text and "restart()" in text, text
     assert session.status == "broken" and took < 6.0
     wait_for(lambda: not marked_pids(session.session_id), 5, what="the lost session's tree to be gone")
