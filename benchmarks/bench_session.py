@@ -34,6 +34,21 @@ def _times(k, code: str, repeat: int) -> list[float]:
     return out
 
 
+def _stop_times(k, cell: str, says: str, repeat: int) -> list[float]:
+    """Send ``cell``, press the stop button 0.5 s later: the seconds until the kernel answered
+    (saying ``says``), each time."""
+    took = []
+    for _ in range(repeat):
+        msg = k.send(cell)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        k.km.interrupt_kernel()
+        res = k.collect(msg, timeout=30)
+        assert res.status == "error" and says in res.error_text, res.error_text
+        took.append(time.monotonic() - t0)
+    return took
+
+
 def main() -> None:
     import psutil
     from kernel_client import Kernel
@@ -58,15 +73,8 @@ def main() -> None:
         sess_reduce = _times(k, f"%%distributed --view text\n{reduce}", r)
 
         # The stop button on a busy cell: until the kernel answers, the ranks idle, their state kept.
-        stops = []
-        for _ in range(5):
-            msg = k.send("%%distributed --view text\nimport time\nwhile True:\n    time.sleep(0.001)")
-            time.sleep(0.5)
-            t0 = time.monotonic()
-            k.km.interrupt_kernel()
-            res = k.collect(msg, timeout=30)
-            assert res.status == "error" and "state kept" in res.error_text, res.error_text
-            stops.append(time.monotonic() - t0)
+        stops = _stop_times(k, "%%distributed --view text\nimport time\nwhile True:\n    time.sleep(0.001)",
+                            "state kept", 5)
         assert k.run("%%distributed --view text\nx").result == "1"
 
         # The stop button while rank 1 waits in DDP's backward for rank 0 (asleep in Python).
@@ -97,16 +105,9 @@ def main() -> None:
             raises.append(res.seconds - 0.3)
         # The stop button with every rank stuck (each in a recv from the next): no rank is free to
         # release the others, so each cuts its own connections.
-        all_stuck = []
-        for _ in range(3):
-            msg = k.send("%%distributed --view text\nr = torch.zeros(1)\n"
-                         "dist.recv(r, src=(dist.get_rank() + 1) % dist.get_world_size())")
-            time.sleep(0.5)
-            t0 = time.monotonic()
-            k.km.interrupt_kernel()
-            res = k.collect(msg, timeout=30)
-            assert res.status == "error" and "each cutting its own connections" in res.error_text, res.error_text
-            all_stuck.append(time.monotonic() - t0)
+        all_stuck = _stop_times(k, "%%distributed --view text\nr = torch.zeros(1)\n"
+                                   "dist.recv(r, src=(dist.get_rank() + 1) % dist.get_world_size())",
+                                "each cutting its own connections", 3)
         # The forwarding: one small all_reduce through the session's group and through its inner group.
         res = k.run("%%distributed --view text\nimport time as _t\ng = dist.distributed_c10d._get_default_group()\n"
                     "def per_call(fn, n=2000):\n    dist.barrier()\n    t0 = _t.perf_counter()\n"
