@@ -18,7 +18,7 @@ import weakref
 import torch
 
 __all__ = ["track_ddp_models", "reset_ddp_reducers", "fingerprint_ddp_models", "count_unfinished_ddp",
-           "reset_fsdp_roots", "count_fsdp_roots"]
+           "reset_fsdp_roots", "count_fsdp_roots", "reset_models"]
 
 _DDP_MODELS: list[weakref.ref] = []  # in the order the rank built them: the same order on every rank
 
@@ -117,3 +117,8 @@ def reset_fsdp_roots() -> int:
                     group._all_gather_result = None
             root.reset_iter_state()
     return len(roots)
+
+
+def reset_models() -> dict:
+    """Reset every half-done step, on every rank alike: ``{"ddp_models": n, "fsdp_roots": m}``."""
+    return {"ddp_models": reset_ddp_reducers(), "fsdp_roots": reset_fsdp_roots()}

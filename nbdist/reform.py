@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
-from .model_recovery import reset_ddp_reducers, reset_fsdp_roots, track_ddp_models
+from .model_recovery import reset_models, track_ddp_models
 
 __all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
            "count_collectives", "live_groups"]
@@ -265,7 +265,7 @@ def reform_groups(generation: int) -> dict:
     """Connect every group again under ``generation``; the objects (and what holds them) stay.
 
     Returns what was done, for the cell's note: how many groups, how long each part took, and
-    how many DDP models were reset.
+    how many DDP models and FSDP2 roots were reset.
     """
     start = time.monotonic()
     groups = live_groups()
@@ -275,9 +275,8 @@ def reform_groups(generation: int) -> dict:
     for group in groups:
         group.reform(generation)
     connected = time.monotonic()
-    models = reset_ddp_reducers()
-    fsdp_roots = reset_fsdp_roots()
-    return {"groups": len(groups), "seconds": time.monotonic() - start, "ddp_models": models, "fsdp_roots": fsdp_roots,
+    models = reset_models()
+    return {"groups": len(groups), "seconds": time.monotonic() - start, **models,
             "release_s": released - start, "connect_s": connected - released, "reset_s": time.monotonic() - connected}
 
 

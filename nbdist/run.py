@@ -268,7 +268,7 @@ class Run(EventSource):
                 failed = [r for r, st in self.ranks.items() if st.status == "failed"]
                 if failed:
                     # torchrun knows how its ranks ended (not the kernel's children): let it say.
-                    getattr(self.launcher, "wait_for_engine", lambda t: None)(ENGINE_REPORT_S)
+                    self.launcher.wait_for_engine(ENGINE_REPORT_S)
                     self._stop("failed", INTERRUPT_LADDER, timeout=min(self.stop_timeout, 2.0))
                 elif all(st.status == "finished" for st in self.ranks.values()):
                     self._finalize("finished", None)
@@ -390,7 +390,7 @@ class Run(EventSource):
             if all(c is not None for c in codes.values()):
                 break
             time.sleep(0.02)
-        codes, root = getattr(self.launcher, "exit_report", lambda: ({}, None))()
+        codes, root = self.launcher.exit_report()
         for r, code in codes.items():  # the engine's word on ranks the kernel only saw go
             if r in self.ranks and self.ranks[r].status == "failed":
                 self.ranks[r].exitcode = code

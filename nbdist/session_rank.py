@@ -110,22 +110,22 @@ def serve_session(session_dir: str, address) -> None:
     conn = Client(tuple(address), authkey=_read_key(session_dir))
     set_nodelay(conn)
     lock = threading.Lock()  # a cell's own threads may display while the loop reports
-    current = [None]  # the cell running now
+    running = _RunningCell()  # the cell running now (its displays, and what a cut may touch)
 
     def send(message) -> None:
         with lock:
             conn.send(message)
 
     def send_display(data, metadata) -> None:
-        if current[0] is not None:
-            send(("display", rank, current[0], data, metadata))
+        cell_id = running.cell_id
+        if cell_id is not None:
+            send(("display", rank, cell_id, data, metadata))
         else:  # between cells: the log has it
             print(data.get("text/plain", "<rich output>"))
 
     from . import rank_display
 
     rank_display.install(send_display)  # display() and plt.show() reach the notebook
-    running = _RunningCell()
     threading.Thread(target=_cut_when_asked, args=(running,), name="nbdist-cut", daemon=True).start()
     send(("hello", rank, os.getpid(), socket.gethostname()))
     while True:
@@ -141,8 +141,7 @@ def serve_session(session_dir: str, address) -> None:
         _, cell_id, cell_dir = message
         start = _log_offsets()
         send(("started", rank, cell_id, start))
-        current[0] = cell_id
-        running.enter(cell_dir)
+        running.enter(cell_id, cell_dir)
         try:
             kind, body = _run_one(cell_dir, rank)
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -153,7 +152,6 @@ def serve_session(session_dir: str, address) -> None:
 
             kind, body = "failed", describe_exception(exc)
         running.leave()
-        current[0] = None
         send(("done", rank, cell_id, kind, body, _log_offsets()))
 
 
@@ -165,15 +163,16 @@ class _RunningCell:
 
     def __init__(self):
         self.lock = threading.Lock()
+        self.cell_id: int | None = None
         self.cell_dir: str | None = None
 
-    def enter(self, cell_dir: str) -> None:
+    def enter(self, cell_id: int, cell_dir: str) -> None:
         with self.lock:
-            self.cell_dir = cell_dir
+            self.cell_id, self.cell_dir = cell_id, cell_dir
 
     def leave(self) -> None:
         with self.lock:  # never while a cut is under way: the groups it cuts are this cell's
-            self.cell_dir = None
+            self.cell_id = self.cell_dir = None
 
 
 def _cut_when_asked(running: _RunningCell) -> None:
@@ -224,9 +223,8 @@ def count_collectives():
     Equal counts on every rank: the groups are still in step."""
     if not _torch_groups_in_use():
         return None
-    from . import reform
-
     from . import model_recovery as models
+    from . import reform
 
     return (bool(reform.live_groups()), reform.count_collectives(),
             models.count_unfinished_ddp() + models.count_fsdp_roots(), models.fingerprint_ddp_models())
@@ -237,7 +235,7 @@ def reset_models() -> int:
     (see :mod:`nbdist.model_recovery`)."""
     from . import model_recovery as models
 
-    return models.reset_ddp_reducers() + models.reset_fsdp_roots()
+    return sum(models.reset_models().values())
 
 
 def release_groups() -> None:

@@ -31,7 +31,7 @@ import contextlib
 import json
 import threading
 
-from .errors import SessionLostError
+from .errors import SessionLostError, WorkerFailedError
 
 __all__ = ["WorldLink", "link_kernels", "tell_world_gone", "on_world_event", "catch_up", "announce_stop"]
 
@@ -145,8 +145,8 @@ def announce_stop(session, cell) -> None:
         return
     cell.announced = True
     if cell.failures:
-        root = next((f for f in sorted(cell.failures.values(), key=lambda f: f.time) if not f.secondary), None)
-        why = f"rank {root.rank} {root.describe()}" if root else "a rank lost its peers"
+        root = WorkerFailedError(cell.failures).root_cause  # the same rule as the cell's own error
+        why = "a rank lost its peers" if root.secondary else f"rank {root.rank} {root.describe()}"
     else:
         why = "it was interrupted"
     threading.Thread(target=link.announce, args=("stop",), kwargs={"generation": session._generation, "why": why},

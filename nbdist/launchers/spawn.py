@@ -269,6 +269,13 @@ class SpawnLauncher:
         """No engine between the kernel and its spawned ranks: nothing to tell."""
         return ""
 
+    def exit_report(self) -> tuple[dict[int, int], None]:
+        """The ranks are the kernel's own children: their exit codes are known already."""
+        return {}, None
+
+    def wait_for_engine(self, timeout: float) -> None:
+        """No engine to wait for."""
+
     def close(self) -> None:
         """Release the handles of exited ranks (their pipes); running ones stay open."""
         if self._forked is not None:
