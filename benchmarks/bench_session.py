@@ -61,9 +61,9 @@ def main() -> None:
     k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         assert k.run("%load_ext nbdist").status == "ok"
-        k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().wait_ready(120)")
+        k.run("import nbdist.warmstart.handle\nnbdist.warmstart.handle.current_template().wait_ready(120)")
         assert k.run(f"%dist_start -n {n}").status == "ok"
-        k.run("from nbdist.session_magic import live_session\nlive_session().wait_ready(120)")
+        k.run("from nbdist.frontend.session_magics import live_session\nlive_session().wait_ready(120)")
         setup = k.run("%%distributed --view text\nimport torch, torch.distributed as dist\nx = 0")
         assert setup.status == "ok", setup.error_text
         trivial = "x = 1"

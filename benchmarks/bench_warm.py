@@ -63,7 +63,7 @@ def bench_kernel(n: int, repeat: int, workdir: str) -> dict:
     k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=workdir))
     try:
         assert k.run("%load_ext nbdist").status == "ok"
-        k.run("from nbdist.warmstart import current_template\ncurrent_template().wait_ready(120)")
+        k.run("from nbdist.warmstart.handle import current_template\ncurrent_template().wait_ready(120)")
         k.run("import benchwork, torch.multiprocessing as mp")
         cell = f"%%distributed -n {n} --view text\nimport torch, torch.distributed as dist\n" \
                "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"

@@ -2,15 +2,19 @@
 
 ``%load_ext nbdist`` then ``%%distributed --nprocs 4`` on a cell, or ``nbdist.launch(fn, nprocs=4)``
 from code. Every run owns its whole process tree and leaves nothing running.
+
+The names below are imported on first use (PEP 562): ``import nbdist`` in a rank costs nothing of
+the kernel side (sessions, views, psutil, atexit hooks) that the rank doesn't use.
+
+Layout (see ``DESIGN.md``): :mod:`nbdist.frontend` (IPython, views, CLI), :mod:`nbdist.api`,
+:mod:`nbdist.options`, :mod:`nbdist.session`, :mod:`nbdist.run`, :mod:`nbdist.launchers`,
+:mod:`nbdist.warmstart` on the kernel side; :mod:`nbdist.worker` on the rank side;
+:mod:`nbdist.protocol`, what both read and write.
 """
 
-from .api import default_nprocs, kill, launch, ps
-from .errors import (LaunchConfigError, RankFailure, RunStoppedError, RunTimeoutError, SessionLostError,
-                     WorkerFailedError)
-from .run import Run
-from .session import Session
-from .warmstart import WarmTemplate, warm
-from .world import is_main, rank, world_size
+from __future__ import annotations
+
+import importlib
 
 __all__ = [
     "launch",
@@ -36,15 +40,38 @@ __all__ = [
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
+_WHERE = {
+    "launch": "nbdist.api", "ps": "nbdist.api", "kill": "nbdist.api", "default_nprocs": "nbdist.options",
+    "Run": "nbdist.run.state", "Session": "nbdist.session.handle",
+    "warm": "nbdist.warmstart.handle", "WarmTemplate": "nbdist.warmstart.handle",
+    "rank": "nbdist.protocol.world", "world_size": "nbdist.protocol.world", "is_main": "nbdist.protocol.world",
+    "WorkerFailedError": "nbdist.errors", "RunTimeoutError": "nbdist.errors", "RunStoppedError": "nbdist.errors",
+    "SessionLostError": "nbdist.errors", "RankFailure": "nbdist.errors", "LaunchConfigError": "nbdist.errors",
+}
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value  # once: later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 def load_ipython_extension(ipython):
-    """``%load_ext nbdist``: register ``%%distributed``, ``%dist_ps``, ``%dist_kill`` and ``%dist_logs``."""
-    from .magic import load_ipython_extension as _load
+    """``%load_ext nbdist``: register ``%%distributed``, the session magics and the tools."""
+    from nbdist.frontend.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    from .magic import unload_ipython_extension as _unload
+    from nbdist.frontend.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import signal
 
-from . import proctree
-from .errors import LaunchConfigError
-from .options import BACKENDS, WorldOptions, default_nprocs
-from .world import detect_world
+from nbdist.run import teardown
+from nbdist.errors import LaunchConfigError
+from nbdist.options import BACKENDS, WorldOptions, default_nprocs
+from nbdist.protocol.world import detect_world
 
 __all__ = ["launch", "ps", "kill", "default_nprocs", "BACKENDS"]
 
@@ -90,7 +90,7 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     >>> nbdist.launch(total, 1.0, nprocs=4)
     {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
     """
-    from .start import start_run
+    from nbdist.run.start import start_run
 
     if not callable(fn):
         raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
@@ -102,12 +102,12 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     if launcher == "attach" and world is None:
         raise LaunchConfigError("launcher='attach' needs a torchrun, MPI or Slurm world of more than one rank around this process")
     if world is not None and nprocs is not None:
-        from .launchers.attach import run_per_kernel
+        from nbdist.run.per_kernel import run_per_kernel
 
         # Each kernel of the world spawns nprocs ranks of its own: one world of world_size * nprocs.
         return run_per_kernel(fn, args, kwargs, world, options)
     if world is not None:
-        from .launchers.attach import run_attached
+        from nbdist.launchers.attach import run_attached
 
         return run_attached(fn, args, kwargs, world, dist_url=dist_url, backend=backend,
                             init_process_group=init_process_group)
@@ -117,7 +117,7 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     return run.wait()
 
 
-def ps(run_id: str | None = None) -> list[proctree.MarkedProcess]:
+def ps(run_id: str | None = None) -> list[teardown.MarkedProcess]:
     """Live processes of this user that carry a run's marker: leftovers of this or any kernel.
 
     Examples
@@ -125,7 +125,7 @@ def ps(run_id: str | None = None) -> list[proctree.MarkedProcess]:
     >>> for p in nbdist.ps():
     ...     print(p.run_id, p.rank, p.pid)
     """
-    return proctree.find_marked(run_id)
+    return teardown.find_marked(run_id)
 
 
 def kill(run_id: str | None = None, timeout: float = 3.0) -> int:
@@ -138,19 +138,19 @@ def kill(run_id: str | None = None, timeout: float = 3.0) -> int:
     >>> nbdist.kill()          # every leftover of every run
     3
     """
-    from .run import _LIVE_RUNS
+    from nbdist.run.state import _LIVE_RUNS
 
-    found = proctree.find_marked(run_id)
+    found = teardown.find_marked(run_id)
     stopped = 0
     for run in list(_LIVE_RUNS):  # runs of this kernel: stop them through their Run, which reaps
         if run_id in (None, run.run_id) and not run.done:
             mine = [p for p in found if p.run_id == run.run_id]
             report = run.kill()
             stopped += len(mine) - len(report.survivors) if report else len(mine)
-    left = [p for p in proctree.find_marked(run_id)]
+    left = [p for p in teardown.find_marked(run_id)]
     for rid in sorted({p.run_id for p in left}):
         procs = [p for p in left if p.run_id == rid]
         leaders = [p.pid for p in procs if p.rank is not None]
-        report = proctree.stop_tree(leaders, rid, (signal.SIGTERM, signal.SIGKILL), timeout=timeout)
+        report = teardown.stop_tree(leaders, rid, (signal.SIGTERM, signal.SIGKILL), timeout=timeout)
         stopped += len(procs) - len(report.survivors)
     return stopped

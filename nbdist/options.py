@@ -14,7 +14,7 @@ import os
 import shlex
 from dataclasses import dataclass, field
 
-from .errors import LaunchConfigError
+from nbdist.errors import LaunchConfigError
 
 __all__ = ["WorldOptions", "BACKENDS", "MAX_NPROCS_ENV", "default_nprocs", "max_local_nprocs"]
 
@@ -100,9 +100,9 @@ class WorldOptions:
 
     def check(self) -> WorldOptions:
         """Raise LaunchConfigError (one line) for what can't work; return self. Starts nothing."""
-        from .launchers import ENGINES, check_launcher_name
-        from .launchers.spawn import START_METHODS
-        from .rendezvous import check_dist_url
+        from nbdist.launchers import ENGINES, check_launcher_name
+        from nbdist.launchers.spawn import START_METHODS
+        from nbdist.launchers.rendezvous import check_dist_url
 
         n = self._name
         if self.nprocs is not None and not _is_int(self.nprocs, 1):
@@ -150,7 +150,7 @@ class WorldOptions:
 
     def make_engine(self):
         """The engine launcher (torchrun, mpirun, srun) these options name, or None for spawn/attach."""
-        from .launchers import make_engine_launcher
+        from nbdist.launchers import make_engine_launcher
 
         return make_engine_launcher(self.launcher, self.launcher_args, nnodes=self.nnodes, node_rank=self.node_rank,
                                     master_addr=self.master_addr, master_port=self.master_port)

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 mkdir -p .artifacts
-exec .venv/bin/python -m nbdist.notebook notebooks/01_quickstart.ipynb .artifacts/01_quickstart.ipynb "$@"
+exec .venv/bin/python -m nbdist.frontend.notebook_runner notebooks/01_quickstart.ipynb .artifacts/01_quickstart.ipynb "$@"

@@ -155,7 +155,7 @@ write("04_multinode.ipynb", [
        "gathered `{rank: value}` dict. Under MPI, rank and size come from mpi4py, rank 0 hosts the rendezvous store "
        "and broadcasts its address, and `local_rank` comes from a shared-memory split of COMM_WORLD (so it is right "
        "on several nodes). A world of one does not attach: it spawns."),
-    code("import nbdist\nfrom nbdist.world import detect_world\nprint('this kernel:', detect_world())"),
+    code("import nbdist\nfrom nbdist.protocol.world import detect_world\nprint('this kernel:', detect_world())"),
     md("Below, a script that calls `nbdist.launch(fn)` runs under real engines on this machine."),
     code("%%writefile attach_demo.py\n"
          "import os, nbdist, torch, torch.distributed as dist\n\n"

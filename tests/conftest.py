@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from nbdist import proctree
+from nbdist.run import processes as proctree
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = 5.0
@@ -190,7 +190,7 @@ def marked_pids(run_id=None) -> set[int]:
 def warm_template():
     """This test process's warm template, kept for the session (ranks forked from it are checked)."""
     import nbdist
-    from nbdist import warmstart as warm
+    from nbdist.warmstart import handle as warm
 
     template = nbdist.warm(wait=True)
     assert template.status == "ready", template.describe()
@@ -223,10 +223,10 @@ def nbdist_kernel(start_method: str):
     k.start_method = start_method
     try:
         assert k.run("%load_ext nbdist").status == "ok"
-        template = int(k.run("import nbdist.warmstart\nnbdist.warmstart.current_template().pid").result)
+        template = int(k.run("import nbdist.warmstart.handle\nnbdist.warmstart.handle.current_template().pid").result)
         KEPT_TEMPLATES.add(template)
         if start_method == "warm":
-            k.run("nbdist.warmstart.current_template().wait_ready(120)")
+            k.run("nbdist.warmstart.handle.current_template().wait_ready(120)")
         yield k
     finally:
         k.shutdown()

@@ -160,3 +160,12 @@ def flood(lines=300_000, width=60, after=1.0):
         sys.stdout.write("".join(f"rank {rank} line {i:07d} {pad}\n" for i in range(start, min(lines, start + 10_000))))
     print(f"LAST LINE of rank {rank}", flush=True)
     return lines
+
+
+KERNEL_SIDE = ("nbdist.frontend", "nbdist.api", "nbdist.options", "nbdist.session", "nbdist.run",
+               "nbdist.launchers", "nbdist.warmstart.handle")
+
+
+def kernel_side_modules():
+    """The kernel side's modules (and IPython's) loaded in this rank as its payload runs: none."""
+    return sorted(m for m in sys.modules if m.startswith(KERNEL_SIDE) or m.split(".")[0] in ("IPython", "ipywidgets"))

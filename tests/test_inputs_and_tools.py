@@ -14,7 +14,7 @@ import pytest
 import nbdist
 from nbdist.errors import LaunchConfigError
 from nbdist.options import WorldOptions
-from nbdist.world import detect_world
+from nbdist.protocol.world import detect_world
 from conftest import KEPT_TEMPLATES, ROOT, live_descendants, marked_pids, wait_for
 
 
@@ -155,7 +155,7 @@ def test_cli_ps_and_kill():
     orphan = _orphan("20990101-000000-c11c11")
     try:
         wait_for(lambda: marked_pids("20990101-000000-c11c11"), 5, what="marked orphan")
-        cli = [sys.executable, "-m", "nbdist.cli"]
+        cli = [sys.executable, "-m", "nbdist.frontend.cli"]
         out = subprocess.run([*cli, "ps"], capture_output=True, text=True, timeout=30).stdout
         assert "RUN ID" in out and "20990101-000000-c11c11" in out and str(orphan.pid) in out
         out = subprocess.run([*cli, "kill", "20990101-000000-c11c11"], capture_output=True, text=True, timeout=30).stdout
@@ -186,10 +186,11 @@ def test_core_imports_without_ipython_or_ipywidgets(tmp_path):
         "        if name.split('.')[0] in ('IPython', 'ipywidgets', 'ipykernel'):\n"
         "            raise ImportError('blocked: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import nbdist, nbdist.run, nbdist.api, nbdist.worker, nbdist.streams, nbdist.proctree\n"
-        "import nbdist.payload, nbdist.launchers.spawn, nbdist.launchers.attach, nbdist.cli\n"
-        "import nbdist.options, nbdist.start, nbdist.stacks, nbdist.session, nbdist.session_cell\n"
-        "import nbdist.session_rank, nbdist.rank_display\n"
+        "import importlib, pkgutil, nbdist\n"
+        "for m in pkgutil.walk_packages(nbdist.__path__, 'nbdist.'):\n"
+        "    if not m.name.startswith('nbdist.frontend') and m.name != 'nbdist.worker.__main__':\n"
+        "        importlib.import_module(m.name)  # everything but the front ends\n"
+        "import nbdist.frontend.cli\n"
         "def fn():\n"
         "    return sorted(m for m in sys.modules if m.split('.')[0] in ('IPython', 'ipywidgets'))\n"
         "if __name__ == '__main__':\n"
@@ -229,7 +230,7 @@ def test_the_reformable_group_connects_nccl_for_cuda_and_aborts_it_on_release(mo
     from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
     import torch._C._distributed_c10d as c10d
 
-    from nbdist import reform
+    from nbdist.worker import reformable_groups as reform
 
     made = []
 

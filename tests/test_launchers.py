@@ -20,7 +20,7 @@ import rankfns
 from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 from nbdist.launchers.mpirun import MpirunLauncher
 from nbdist.options import WorldOptions
-from nbdist.start import start_run
+from nbdist.run.start import start_run
 
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not installed (pip install mpi4py mpich)")
@@ -415,7 +415,7 @@ def test_output_of_remote_ranks_streams_over_the_authenticated_channel(tmp_path,
     """
     from multiprocessing.connection import Client
 
-    from nbdist.streams import LogFollower
+    from nbdist.run.output import LogFollower
 
     monkeypatch.setattr(LogFollower, "read_new", lambda self: "")
     run = nbdist.launch(rankfns.talk_then_wait, str(tmp_path), nprocs=2, launcher="mpirun", join=False,
@@ -437,7 +437,7 @@ def test_output_of_remote_ranks_streams_over_the_authenticated_channel(tmp_path,
 
 
 def test_a_rank_on_the_kernels_machine_does_not_mirror(monkeypatch):
-    from nbdist.channel import should_mirror
+    from nbdist.worker.output_mirror import should_mirror
 
     monkeypatch.delenv("NBDIST_MIRROR_OUTPUT", raising=False)
     assert not should_mirror(socket.gethostname())

@@ -9,7 +9,7 @@ import pytest
 from nbclient.exceptions import CellExecutionError
 
 from conftest import ROOT, marked_pids
-from nbdist.notebook import execute_notebook
+from nbdist.frontend.notebook_runner import execute_notebook
 
 
 def _widget_models(nb, name):

@@ -19,7 +19,7 @@ def kernel(request):
 
 
 def _session_id(kernel) -> str:
-    return kernel.run("from nbdist.session_magic import live_session\nlive_session().session_id").result.strip("'")
+    return kernel.run("from nbdist.frontend.session_magics import live_session\nlive_session().session_id").result.strip("'")
 
 
 def test_a_session_keeps_the_model_between_cells_and_shows_each_cells_output(kernel):

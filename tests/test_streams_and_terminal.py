@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from nbdist.errors import format_rank_set
-from nbdist.streams import LineAssembler
+from nbdist.run.output import LineAssembler
 
 
 def test_carriage_return_rewinds_the_line():
@@ -62,12 +62,12 @@ def test_a_flood_ends_with_the_last_line_in_view_and_bounded_kernel_memory():
 
     import nbdist
     import rankfns
-    from nbdist.view import WidgetView
+    from nbdist.frontend.views import WidgetView
 
     me = psutil.Process()
     rss0 = me.memory_info().rss
     peak = [rss0]
-    from nbdist.streams import OutputChunk
+    from nbdist.run.events import OutputChunk
 
     run = nbdist.launch(rankfns.flood, nprocs=2, init_process_group=False, join=False)
     notes = {0: [], 1: []}  # the lines that say where output was skipped, as every view gets them

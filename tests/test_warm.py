@@ -19,7 +19,7 @@ import pytest
 import nbdist
 import rankfns
 from conftest import KEPT_TEMPLATES, marked_pids, wait_for
-from nbdist import warmstart
+from nbdist.warmstart import handle as warmstart
 
 
 @pytest.fixture

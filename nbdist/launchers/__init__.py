@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import LaunchConfigError
+from nbdist.errors import LaunchConfigError
 
 __all__ = ["LAUNCHERS", "ENGINES", "check_launcher_name", "make_engine_launcher", "choose_master_addr"]
 
@@ -48,7 +48,7 @@ def make_engine_launcher(name: str, launcher_args=None, nnodes: int = 1, node_ra
     """
     args = list(launcher_args or [])
     if name == "mpirun":
-        from .mpirun import MpirunLauncher, find_mpiexec
+        from nbdist.launchers.mpirun import MpirunLauncher, find_mpiexec
 
         find_mpiexec()
         if nnodes != 1 or node_rank != 0:
@@ -56,14 +56,14 @@ def make_engine_launcher(name: str, launcher_args=None, nnodes: int = 1, node_ra
                                     "launcher_args=['--hostfile', F], not nnodes/node_rank")
         return MpirunLauncher(launcher_args=args)
     if name == "srun":
-        from .srun import SrunLauncher, find_srun
+        from nbdist.launchers.srun import SrunLauncher, find_srun
 
         find_srun()
         if node_rank != 0:
             raise LaunchConfigError("launcher='srun' places tasks on nodes itself: use nnodes (-N), not node_rank")
         return SrunLauncher(launcher_args=args, nnodes=nnodes)
     if name == "torchrun":
-        from .torchrun import TorchrunLauncher, check_torchrun
+        from nbdist.launchers.torchrun import TorchrunLauncher, check_torchrun
 
         check_torchrun()
         return TorchrunLauncher(launcher_args=args, nnodes=nnodes, node_rank=node_rank,

@@ -15,16 +15,15 @@ from __future__ import annotations
 import os
 import socket
 
-from ..errors import LaunchConfigError, RankFailure, WorkerFailedError
-from ..world import WorldInfo
+from nbdist.errors import LaunchConfigError, RankFailure, WorkerFailedError
+from nbdist.protocol.world import WorldInfo
 
-__all__ = ["run_attached", "StoreComm", "start_per_kernel", "gather_per_kernel", "run_per_kernel", "mpi_world",
-           "slurm_meeting_point", "first_slurm_host"]
+__all__ = ["run_attached", "StoreComm", "mpi_world", "slurm_meeting_point", "first_slurm_host"]
 
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
 # that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
 # the same rendezvous would meet the previous round's keys.
-_KEEP = {"rendezvous": None, "gathers": 0, "hosted": None, "slurm_store": None, "agent_store": None}
+KEEP = {"rendezvous": None, "gathers": 0, "hosted": None, "slurm_store": None, "agent_store": None}
 
 
 def mpi_world():
@@ -45,7 +44,7 @@ def mpi_world():
         node.Free()
 
 
-def _node_address(single_node: bool) -> str:
+def node_address(single_node: bool) -> str:
     if single_node:
         return "127.0.0.1"
     if os.environ.get("MASTER_ADDR"):
@@ -57,12 +56,12 @@ def _join_group_mpi(comm, rank, size, single_node, dist_url, backend):
     """Rank 0 hosts the TCPStore on a port it already holds and broadcasts where; all join."""
     import torch.distributed as dist
 
-    from ..rendezvous import open_rendezvous
+    from nbdist.launchers.rendezvous import open_rendezvous
 
     rdzv = None
     if dist_url == "auto":
         if rank == 0:
-            rdzv = open_rendezvous("auto", size, host=_node_address(single_node))
+            rdzv = open_rendezvous("auto", size, host=node_address(single_node))
             where = (rdzv.master_addr, rdzv.master_port)
         else:
             where = None
@@ -97,29 +96,29 @@ def slurm_meeting_point(env) -> tuple[str, int]:
     return addr, 20000 + (job * 31 + step) % 20000
 
 
-def _slurm_store(rank: int, size: int):
+def slurm_store(rank: int, size: int):
     """The step's store, hosted by task 0 at :func:`slurm_meeting_point`, kept for the kernel's life."""
     import datetime
 
     import torch.distributed as dist
 
-    from ..rendezvous import open_rendezvous
+    from nbdist.launchers.rendezvous import open_rendezvous
 
-    if _KEEP["slurm_store"] is None:
+    if KEEP["slurm_store"] is None:
         addr, port = slurm_meeting_point(os.environ)
         if rank == 0:  # holding the store keeps its server up
             store = open_rendezvous("auto", size, host=addr, port=port).store
         else:
             store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        _KEEP["slurm_store"] = store
-    return _KEEP["slurm_store"]
+        KEEP["slurm_store"] = store
+    return KEEP["slurm_store"]
 
 
 def _join_group_slurm(rank, size, backend):
     import torch.distributed as dist
 
-    dist.init_process_group(backend=backend, store=_slurm_store(rank, size), rank=rank, world_size=size)
+    dist.init_process_group(backend=backend, store=slurm_store(rank, size), rank=rank, world_size=size)
 
 
 def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
@@ -127,7 +126,8 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     import cloudpickle
     import torch.distributed as dist
 
-    from ..worker import bind_device, describe_exception, resolve_backend
+    from nbdist.worker.bootstrap import bind_device, resolve_backend
+    from nbdist.worker.exceptions import describe_exception
 
     comm = None  # how the kernels gather the values: MPI, else a store that needs no process group
     rank, size = world.rank, world.world_size
@@ -143,7 +143,7 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     if init_process_group and not dist.is_initialized():
         bind_device(local_rank, backend)
         if world.kind == "mpi":
-            _KEEP["rendezvous"] = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
+            KEEP["rendezvous"] = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
         elif world.kind == "slurm" and dist_url == "auto":
             # A plain srun step has no channel between its tasks: they meet where rank 0 hosts a
             # store, at an address and port that every task works out alone from the step's env.
@@ -152,16 +152,16 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
             init = "env://" if dist_url == "auto" else dist_url
             dist.init_process_group(backend=backend, init_method=init, rank=rank, world_size=size)
     if world.kind == "torchrun":
-        comm = _agent_store_comm(rank, size)
+        comm = agent_store_comm(rank, size)
     elif world.kind == "slurm" and dist_url == "auto":
-        comm = StoreComm(_slurm_store(rank, size), rank, size)
+        comm = StoreComm(slurm_store(rank, size), rank, size)
     try:
         value = fn(*args, **kwargs)
         mine = (True, cloudpickle.dumps(value))
     except Exception as exc:
         info = describe_exception(exc)
         mine = (False, info)
-    everyone = _gather(mine, comm, rank, size)
+    everyone = gather(mine, comm, rank, size)
     import pickle
 
     results, failures = {}, {}
@@ -187,8 +187,8 @@ class StoreComm:
         self.store, self.rank, self.size = store, rank, size
 
     def _prefix(self, what: str) -> str:
-        _KEEP["gathers"] += 1  # every kernel makes the same calls in the same order: the keys agree
-        return f"nbdist/{what}/{_KEEP['gathers']}/"
+        KEEP["gathers"] += 1  # every kernel makes the same calls in the same order: the keys agree
+        return f"nbdist/{what}/{KEEP['gathers']}/"
 
     def bcast(self, value, root: int = 0):
         import pickle
@@ -209,19 +209,19 @@ class StoreComm:
         return [pickle.loads(self.store.get(k)) for k in keys]
 
 
-def _agent_store_comm(rank: int, size: int):
+def agent_store_comm(rank: int, size: int):
     """torchrun's agent store as a StoreComm (it needs no process group), or None outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("MASTER_PORT"):
         return None
     import torch.distributed as dist
 
-    if _KEEP["agent_store"] is None:
-        _KEEP["agent_store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+    if KEEP["agent_store"] is None:
+        KEEP["agent_store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                              is_master=False)
-    return StoreComm(_KEEP["agent_store"], rank, size)
+    return StoreComm(KEEP["agent_store"], rank, size)
 
 
-def _gather(mine, comm, rank, size):
+def gather(mine, comm, rank, size):
     """Every rank's (ok, payload), on every rank: over ``comm`` (MPI or a store), else over torch."""
     if comm is not None:
         return comm.allgather(mine)
@@ -234,76 +234,3 @@ def _gather(mine, comm, rank, size):
     return out
 
 
-def _kernel_channel(world: WorldInfo):
-    """``(comm, rank, size, local_size)`` for talking between the kernels of ``world``."""
-    if world.kind == "mpi":
-        comm, rank, size, _local, local_size = mpi_world()
-        return comm, rank, size, local_size
-    if world.kind == "slurm":
-        return StoreComm(_slurm_store(world.rank, world.world_size), world.rank, world.world_size), \
-            world.rank, world.world_size, world.local_world_size
-    comm = _agent_store_comm(world.rank, world.world_size)
-    if comm is None:
-        raise LaunchConfigError(
-            f"nprocs= in a kernel that is a rank of a {world.kind} world needs a channel between the kernels: "
-            "start the kernels with mpirun, srun or torchrun"
-        )
-    return comm, world.rank, world.world_size, world.local_world_size
-
-
-def start_per_kernel(fn, args, kwargs, world: WorldInfo, options, *, run_id=None, run_dir=None):
-    """Start this kernel's ``options.nprocs`` ranks of one world made of every kernel of ``world``.
-
-    Kernel k's ranks are ``k * nprocs + local_rank``. Kernel 0 hosts the store (on loopback when
-    every kernel shares its machine) and broadcasts where it is; it keeps the store until
-    :func:`gather_per_kernel` has heard from every kernel (so ranks that finish later never lose
-    it). Every kernel must call this in the same order (as cells run under ``%px``). Returns
-    ``(run, channel)``.
-    """
-    from ..rendezvous import Rendezvous, open_rendezvous
-    from ..start import start_run
-    from .spawn import SpawnLauncher
-
-    comm, rank, size, local_size = channel = _kernel_channel(world)
-    nprocs = options.nprocs
-    rdzv = None
-    if options.init_process_group:
-        hosted = None
-        if rank == 0:
-            hosted = open_rendezvous("auto", size * nprocs, host=_node_address(local_size == size))
-            _KEEP["hosted"] = hosted.store
-        addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
-        rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)
-    launcher = SpawnLauncher(start_method=options.start_method, nnodes=size, node_rank=rank)
-    run = start_run(fn, args, kwargs, options, launcher=launcher, rendezvous=rdzv, run_id=run_id, run_dir=run_dir)
-    return run, channel
-
-
-def gather_per_kernel(run, channel) -> dict:
-    """Wait for this kernel's ranks, then every rank's value on every kernel (or one shared error)."""
-    comm, rank, size, _ = channel
-    stopped = None
-    try:
-        mine = (True, run.wait(), None)
-    except WorkerFailedError as exc:
-        mine = (False, exc.results, exc.failures)
-    except BaseException as exc:  # stopped (Ctrl-C too) or timed out: the others must not wait for us forever
-        stopped, mine = exc, (False, run.results, {})
-    everyone = _gather(mine, comm, rank, size)
-    _KEEP["hosted"] = None  # every kernel's ranks are done with kernel 0's store now
-    if stopped is not None:
-        raise stopped
-    results, failures = {}, {}
-    for _ok, res, fails in everyone:
-        results.update(res)
-        failures.update(fails or {})
-    if failures or not all(ok for ok, _, _ in everyone):
-        raise WorkerFailedError(failures, dict(sorted(results.items())), run.run_dir,
-                                None if failures else "a kernel of this world stopped its ranks")
-    return dict(sorted(results.items()))
-
-
-def run_per_kernel(fn, args, kwargs, world: WorldInfo, options) -> dict:
-    """Every kernel of ``world`` spawns ``options.nprocs`` local ranks; every kernel gets every rank's value."""
-    run, channel = start_per_kernel(fn, args, kwargs, world, options)
-    return gather_per_kernel(run, channel)

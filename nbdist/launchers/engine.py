@@ -19,10 +19,10 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from .. import payload
-from ..payload import RUN_DIR_ENV, RUN_ID_ENV
-from ..proctree import is_gone
-from ..worker import _set_pdeathsig
+from nbdist.protocol import rundir
+from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV
+from nbdist.launchers.processes import is_gone
+from nbdist.protocol.signals import set_pdeathsig
 
 __all__ = ["EngineLauncher", "python_path_for_ranks", "tail_engine_log"]
 
@@ -98,7 +98,7 @@ class EngineLauncher:
         # SIGTERM, so that the engine takes down the ranks it started before it goes.
         die_with_parent = None
         if threading.current_thread() is threading.main_thread():
-            die_with_parent = functools.partial(_set_pdeathsig, signal.SIGTERM)
+            die_with_parent = functools.partial(set_pdeathsig, signal.SIGTERM)
         log = os.open(os.path.join(run_dir, ENGINE_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self._engine = subprocess.Popen(cmd, env=child_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -112,7 +112,7 @@ class EngineLauncher:
         if self._run_dir and len(self._pids) < self._nprocs:
             offset = self.node_rank * self._nprocs
             self._pids = {
-                r - offset: p for r, p in payload.read_pids(self._run_dir).items() if 0 <= r - offset < self._nprocs
+                r - offset: p for r, p in rundir.read_pids(self._run_dir).items() if 0 <= r - offset < self._nprocs
             }
         return dict(self._pids)
 
@@ -136,7 +136,7 @@ class EngineLauncher:
         offset = self.node_rank * self._nprocs
         for slot, pid in self.pids.items():
             if self._codes[slot] is None and is_gone(pid):
-                ok, _ = payload.read_result(self._run_dir, offset + slot)
+                ok, _ = rundir.read_result(self._run_dir, offset + slot)
                 self._codes[slot] = 0 if ok else 1
         if engine is not None:  # the engine is gone: ranks that never reported died with it
             for slot in self._codes:

@@ -10,8 +10,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..errors import LaunchConfigError
-from .engine import EngineLauncher
+from nbdist.errors import LaunchConfigError
+from nbdist.launchers.engine import EngineLauncher
 
 __all__ = ["MpirunLauncher", "find_mpiexec"]
 

@@ -2,11 +2,11 @@
 
 * "spawn": a fresh interpreter per rank (``multiprocessing``'s spawn, nbdist's entry point first);
 * "fork": the same, forking the kernel (refused once CUDA is initialised here);
-* "warm": forked from this kernel's warm template (:mod:`nbdist.warmstart`), which imported torch
+* "warm": forked from this kernel's warm template (:mod:`nbdist.warmstart.handle`), which imported torch
   already; it reaps the ranks and sends their exit codes over the run's connection.
 
 Spawned and forked ranks are the kernel's children: it reaps them and knows their exit codes.
-Every rank then leaves for its own session (:func:`nbdist.worker.prepare_rank_process`), which
+Every rank then leaves for its own session (:func:`nbdist.worker.bootstrap.prepare_rank_process`), which
 is what makes its children killable with it. The rest of the engine does not care how a rank
 was made.
 """
@@ -19,9 +19,9 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from .. import proctree
-from ..errors import LaunchConfigError
-from ..payload import RUN_DIR_ENV, RUN_ID_ENV, read_pids
+from nbdist.launchers.processes import is_gone
+from nbdist.errors import LaunchConfigError
+from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV, read_pids
 
 __all__ = ["SpawnLauncher", "check_start_method", "START_METHODS"]
 
@@ -121,7 +121,7 @@ class _ForkedRanks:
         if self.conn is None:
             # A template that died took its ranks along (their PDEATHSIG): they were killed.
             for rank, pid in self.pids.items():
-                if self.codes[rank] is None and proctree.is_gone(pid):
+                if self.codes[rank] is None and is_gone(pid):
                     self.codes[rank] = -signal.SIGKILL
         return dict(self.codes)
 
@@ -135,7 +135,7 @@ class _ForkedRanks:
 class SpawnLauncher:
     """Start ``nprocs`` ranks of this kernel and keep their handles.
 
-    ``start_method`` None means the default (:func:`nbdist.warmstart.choose_start_method`): "warm"
+    ``start_method`` None means the default (:func:`nbdist.warmstart.handle.choose_start_method`): "warm"
     when the template is ready, else "spawn". It is resolved when the launcher is made.
     """
 
@@ -155,7 +155,7 @@ class SpawnLauncher:
         return False  # every rank is this kernel's child, on this machine
 
     def __post_init__(self):
-        from ..warmstart import choose_start_method
+        from nbdist.warmstart.handle import choose_start_method
 
         self._explicit_warm = (self.start_method or os.environ.get("NBDIST_START_METHOD")) == "warm"
         self.start_method = choose_start_method(self.start_method)
@@ -169,7 +169,8 @@ class SpawnLauncher:
         import multiprocessing
         import multiprocessing.resource_tracker as resource_tracker
 
-        from ..worker import dump_signal_held, run_spawned_rank
+        from nbdist.protocol.signals import dump_signal_held
+        from nbdist.worker.bootstrap import run_spawned_rank
 
         # The kernel's resource tracker starts lazily with the first child; start it outside the
         # marked window, or it would carry this run's marker and be stopped with the run.
@@ -202,7 +203,7 @@ class SpawnLauncher:
         """Fork the ranks from the template; False (said once) when it can't, and then we spawn."""
         import sys
 
-        from ..warmstart import WarmUnavailable, fork_ranks, tell_once
+        from nbdist.warmstart.handle import WarmUnavailable, fork_ranks, tell_once
 
         # spawn's semantics: the kernel's env, sys.path, cwd and argv as they are now, at launch.
         request = {"run_id": run_id, "run_dir": run_dir, "ranks": list(range(nprocs)),

@@ -12,8 +12,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 
-from ..errors import LaunchConfigError
-from .engine import EngineLauncher
+from nbdist.errors import LaunchConfigError
+from nbdist.launchers.engine import EngineLauncher
 
 __all__ = ["SrunLauncher", "find_srun"]
 

@@ -22,8 +22,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from ..errors import LaunchConfigError
-from .engine import EngineLauncher, tail_engine_log
+from nbdist.errors import LaunchConfigError
+from nbdist.launchers.engine import EngineLauncher, tail_engine_log
 
 __all__ = ["TorchrunLauncher", "check_torchrun", "route_source_address", "interface_of"]
 

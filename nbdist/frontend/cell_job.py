@@ -1,0 +1,217 @@
+"""What a ``%%distributed`` cell becomes before and after its ranks: checked options, ``cell.py``,
+the notebook values it reads (a :class:`CellJob`), and how a job starts and finishes.
+
+The world options are flags shared by ``%%distributed`` and ``%dist_start``
+(:func:`world_arguments`), checked in one place (:class:`nbdist.options.WorldOptions`).
+Everything that can be refused is refused before any process exists, in one line.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import types
+from dataclasses import dataclass, field
+
+from IPython.core.error import UsageError
+from IPython.core.magic_arguments import argument
+
+from nbdist.protocol import rundir
+from nbdist.protocol.rundir import PULL_FILE
+from nbdist.frontend.cell_source import CellSource, find_read_names
+from nbdist.worker.cell import run_cell
+from nbdist.errors import LaunchConfigError
+from nbdist.options import WorldOptions
+
+__all__ = ["CellJob", "prepare_cell", "write_cell", "start_cell", "finish_cell", "run_attached_cell", "attached_world",
+           "world_arguments", "world_options", "split_names"]
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+_WORLD_ARGUMENTS = [
+    argument("-n", "--nprocs", type=int, default=None,
+             help="number of ranks (default: the number of GPUs, or 2 without one)"),
+    argument("--launcher", default="auto", help="auto, spawn, attach, torchrun, mpirun or srun"),
+    argument("--launcher-args", default="", help="extra engine arguments, quoted: --launcher-args '--hostfile h'"),
+    argument("--nnodes", type=int, default=1, help="torchrun: nodes (kernels) in the world; srun: -N"),
+    argument("--node-rank", type=int, default=0, help="torchrun: this kernel's node"),
+    argument("--master-addr", default=None,
+             help="where ranks reach the kernel (default 127.0.0.1, or this machine's address when ranks may run "
+                  "elsewhere); torchrun: node 0's address"),
+    argument("--master-port", type=int, default=None, help="torchrun with --nnodes > 1: the rendezvous port"),
+    argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl"),
+    argument("--env", nargs="+", action="append", default=[], metavar="K=V", help="environment for the ranks"),
+    argument("--start", default=None, choices=("warm", "spawn", "fork"),
+             help="how the ranks are made (default: warm once the template is ready, else spawn)"),
+    argument("--run-dir", default=None, help="folder for the run dir (default $NBDIST_RUN_DIR or a private temp dir)"),
+]
+
+
+def world_arguments(func):
+    """The world options, as flags: one list for ``%%distributed`` and ``%dist_start``."""
+    for arg in reversed(_WORLD_ARGUMENTS):
+        func = arg(func)
+    return func
+
+
+def world_options(args) -> WorldOptions:
+    """The checked WorldOptions of parsed magic flags; a bad one is a one-line UsageError."""
+    options = WorldOptions.from_magic_args(args)
+    options.env = _parse_env(args.env)
+    try:
+        return options.check()
+    except LaunchConfigError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@dataclass
+class CellJob:
+    """A parsed, checked cell, ready to start: everything is validated before a process exists."""
+
+    args: object
+    options: WorldOptions
+    engine: object  # the engine launcher (torchrun, mpirun, srun), or None for spawn/attach
+    run_id: str
+    run_dir: str
+    cell_file: str
+    pushed: dict = field(default_factory=dict)  # name -> pickled bytes
+    modules: dict = field(default_factory=dict)  # name -> module name
+    pull: list = field(default_factory=list)
+    tree: object = None  # the cell's parsed source
+    channel: object = None  # set when each kernel of an attached world spawns its own ranks
+
+
+def split_names(text: str, option: str) -> list[str]:
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    bad = [n for n in names if not _IDENT.match(n)]
+    if bad:
+        raise UsageError(f"{option} takes comma-separated variable names, got {', '.join(map(repr, bad))}")
+    return names
+
+
+def _parse_env(items) -> dict:
+    env = {}
+    for item in [x for group in (items or []) for x in group]:
+        key, sep, value = item.partition("=")
+        if not sep or not _IDENT.match(key):
+            raise UsageError(f"--env takes KEY=VALUE pairs, got {item!r}")
+        env[key] = value
+    return env
+
+
+def prepare_cell(shell, args, line: str, cell: str) -> CellJob:
+    """Check the options, write ``cell.py``, and pick and check what to push.
+
+    Everything that can be refused is refused here, before any process exists; a refused cell
+    leaves no run dir behind.
+    """
+    push = split_names(args.push, "--push")
+    pull = split_names(args.pull, "--pull")
+    options = world_options(args)
+    try:
+        engine = options.make_engine()
+    except LaunchConfigError as exc:
+        raise UsageError(str(exc)) from None
+    source = CellSource(line, cell)
+    run_id = rundir.new_run_id()
+    run_dir = rundir.create_run_dir(run_id, args.run_dir)
+    try:
+        return write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull)
+    except BaseException:
+        rundir.discard_run_dir(run_dir)
+        raise
+
+
+def write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull, on_ranks=frozenset()) -> CellJob:
+    """Write ``cell.py`` into ``run_dir`` and pickle the notebook values the cell reads.
+
+    ``on_ranks``: names that earlier cells of a session defined on the ranks; the ranks' own
+    value wins over a notebook variable of the same name (``--push`` still sends it).
+    """
+    cell_file = os.path.join(run_dir, "cell.py")
+    rundir.write_private(cell_file, source.text.encode("utf-8"))
+    tree = source.parse(cell_file)  # a SyntaxError names cell.py and the editor's line
+    user_ns = shell.user_ns
+    hidden = getattr(shell, "user_ns_hidden", {})
+    missing = [n for n in push if n not in user_ns]
+    if missing:
+        raise UsageError(f"--push: no variable named {', '.join(map(repr, missing))} in the notebook")
+    job = CellJob(args, options, engine, run_id, run_dir, cell_file, pull=pull)
+    # Only names the cell reads travel: an unpicklable, unrelated notebook variable never matters.
+    job.tree = tree
+    for name in sorted((find_read_names(tree) - set(on_ranks)) | set(push)):
+        if name not in user_ns or (name in hidden and name not in push):
+            continue
+        value = user_ns[name]
+        if isinstance(value, types.ModuleType):
+            job.modules[name] = value.__name__  # re-imported by name in the rank
+            continue
+        try:
+            job.pushed[name] = rundir.dump_pickle_checked(value, f"notebook variable {name!r}")
+        except TypeError as exc:
+            raise UsageError(f"{exc} (or name it in neither the cell nor --push)") from None
+    return job
+
+
+def start_cell(shell, job: CellJob):
+    """Start the ranks for a prepared cell; ``_dist`` is the Run from now on."""
+    from nbdist.run.start import start_run
+
+    rank_args = (job.cell_file, job.pushed, job.modules, job.pull)
+    world = attached_world(job)
+    if world is not None:  # --nprocs in a kernel that is a rank: each kernel spawns its own ranks
+        from nbdist.run.per_kernel import start_per_kernel
+
+        run, job.channel = start_per_kernel(run_cell, rank_args, {}, world, job.options, run_id=job.run_id,
+                                            run_dir=job.run_dir)
+    else:
+        run = start_run(run_cell, rank_args, {}, job.options, launcher=job.engine, run_id=job.run_id,
+                        run_dir=job.run_dir)
+    shell.user_ns["_dist"] = run
+    return run
+
+
+def finish_cell(shell, job: CellJob, run):
+    """Bring back ``--pull`` variables and return rank 0's value (the cell's result)."""
+    import pickle
+
+    if job.channel is not None:
+        from nbdist.run.per_kernel import gather_per_kernel
+
+        results = gather_per_kernel(run, job.channel)  # every kernel gets every rank's value
+    else:
+        results = run.wait()
+    if job.pull:
+        try:
+            with open(os.path.join(job.run_dir, PULL_FILE), "rb") as fh:
+                pulled = pickle.load(fh)
+        except FileNotFoundError:
+            pulled = {"values": {}, "missing": job.pull}
+        for name, blob in pulled["values"].items():
+            shell.user_ns[name] = pickle.loads(blob)
+        if pulled["missing"]:
+            print(f"nbdist: --pull: rank 0 has no variable named {', '.join(pulled['missing'])}")
+    first = min(results) if results else None  # rank 0's, or the lowest rank's when --ranks left it out
+    return results.get(first) if first is not None else None
+
+
+def run_attached_cell(shell, job: CellJob):
+    """The kernel already is a rank: run the cell here, in the notebook's own namespace."""
+    from nbdist.api import launch
+
+    results = launch(run_cell, job.cell_file, {}, {}, [], launcher="attach", backend=job.args.backend,
+                     init_process_group=not job.args.no_init)
+    return results.get(0)
+
+
+def attached_world(job: CellJob):
+    """The world this kernel is a rank of (None when it runs alone or spawns regardless)."""
+    from nbdist.protocol.world import detect_world
+
+    if job.args.launcher not in ("auto", "attach"):
+        return None
+    world = detect_world()
+    if job.args.launcher == "attach" and world is None:
+        raise UsageError("--launcher attach: this kernel is not a rank of a torchrun, MPI or Slurm world")
+    return world

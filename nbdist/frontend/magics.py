@@ -1,0 +1,323 @@
+"""IPython front end: ``%%distributed``, ``%dist_ps``, ``%dist_kill`` and ``%dist_logs``; the session
+magics (``%dist_start``, ``%dist_stop``, ``%dist_restart``, ``%dist_stacks``) are thin methods over
+:mod:`nbdist.frontend.session_magics`.
+
+Thin, like ipyparallel's magics: parse options with ``magic_arguments``, turn the cell into a
+payload, pick a view, wait, and translate the notebook's interrupt into ``Run.interrupt()``.
+All lifecycle logic stays in :mod:`nbdist.run`.
+
+In a Jupyter kernel a ``%%distributed`` cell runs as an *awaiting* cell (an input transformer
+rewrites it into ``await nbdist.frontend.magics.run_cell_async(...)``): the kernel's event loop stays free,
+so the view's Kill button is handled while the cell is still running, and the stop button
+cancels the wait, which stops the run. Terminal IPython runs the same steps synchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import html
+import os
+import re
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from nbdist.protocol import rundir
+from nbdist.api import kill, ps
+from nbdist.frontend.cli import describe_template, format_table, sort_procs
+from nbdist.frontend.cell_job import attached_world, finish_cell, prepare_cell, run_attached_cell, start_cell, world_arguments, world_options
+from nbdist.frontend.views import FLUSH_INTERVAL, make_view
+
+__all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CELL_HEAD = re.compile(r"^%%distributed(\s|$)")
+
+
+def _show(view) -> None:
+    from IPython.display import display
+
+    if hasattr(view, "widget"):
+        display(view.widget)
+
+
+def _stop_and_raise(run, view):
+    run.interrupt()
+    view.flush(final=True)
+    raise run.error from None
+
+
+def _launch_cell(shell, line: str, cell: str):
+    """Prepare and start the cell; return ``(job, run, view)``, or ``(job, None, value)`` when the
+    kernel is itself a rank and ran the cell in place. A live session takes the cell (unless
+    ``--fresh``): ``run`` is then the cell's handle."""
+    from nbdist.frontend.session_magics import launch_session_cell, live_session
+
+    args = parse_argstring(DistributedMagics.distributed, line)
+    session = live_session()
+    if session is not None and not args.fresh:
+        job, run = launch_session_cell(shell, session, args, line, cell)
+    else:
+        if args.ranks is not None:
+            raise UsageError("--ranks is for a session's cells: %dist_start first")
+        job = prepare_cell(shell, args, line, cell)
+        if attached_world(job) is not None and not job.args.nprocs:
+            return job, None, run_attached_cell(shell, job)
+        run = start_cell(shell, job)
+    view = make_view(run, job.args.view)
+    _show(view)
+    if job.args.bg:
+        view.start_flusher()
+    return job, run, view
+
+
+def run_cell_sync(shell, line: str, cell: str):
+    """The cell, run by the plain cell magic (terminal IPython, or ``%autoawait off``)."""
+    job, run, view = _launch_cell(shell, line, cell)
+    if run is None or job.args.bg:
+        return view if run is None else None
+    try:
+        while not run.done:
+            view.flush()
+            run._done.wait(FLUSH_INTERVAL)  # wakes the moment the run ends, not at the next tick
+    except KeyboardInterrupt:
+        _stop_and_raise(run, view)
+    view.flush(final=True)
+    return finish_cell(shell, job, run)
+
+
+def _ended_event(run) -> asyncio.Event:
+    """An asyncio event of this loop that the run's monitor thread sets when the run ends."""
+    from nbdist.run.events import TERMINAL, RunEvent
+
+    loop, ended = asyncio.get_running_loop(), asyncio.Event()
+
+    def on_event(event):
+        if isinstance(event, RunEvent) and event.rank is None and event.status in TERMINAL:
+            loop.call_soon_threadsafe(ended.set)
+
+    run.subscribe(on_event)  # replayed: a run that already ended sets it at once
+    return ended
+
+
+async def run_cell_async(line: str, cell: str):
+    """The cell in a Jupyter kernel: awaiting, so widgets (the Kill button) stay live."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    job, run, view = _launch_cell(shell, line, cell)
+    if run is None or job.args.bg:
+        return view if run is None else None
+    ended = _ended_event(run)
+    try:
+        while not run.done:
+            view.flush()
+            # Wake the moment the run ends (a warm cell takes tens of ms), else draw every tick.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), FLUSH_INTERVAL)
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        # The stop button: ipykernel cancels an awaiting cell instead of raising KeyboardInterrupt.
+        _stop_and_raise(run, view)
+    view.flush(final=True)
+    return finish_cell(shell, job, run)
+
+
+def _rewrite_distributed_cell(lines: list[str]) -> list[str]:
+    """Input transformer: a ``%%distributed`` cell becomes an awaiting call in a Jupyter kernel."""
+    if not lines or not _CELL_HEAD.match(lines[0]):
+        return lines
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None or getattr(shell, "kernel", None) is None or not getattr(shell, "autoawait", False):
+        return lines
+    magic_line = lines[0][len("%%distributed"):].strip()
+    body = "".join(lines[1:])
+    return [f"await __import__('nbdist.frontend.magics', fromlist=['run_cell_async']).run_cell_async({magic_line!r}, {body!r})\n"]
+
+
+@magics_class
+class DistributedMagics(Magics):
+    """``%%distributed`` and the tools to find and stop what runs are left."""
+
+    @magic_arguments()
+    @world_arguments
+    @argument("--timeout", type=float, default=None, help="seconds; then dump every rank's stack and stop")
+    @argument("--bg", action="store_true", help="return at once; use _dist.wait() / _dist.kill() later")
+    @argument("--push", default="", help="comma-separated notebook variables to send besides those the cell reads")
+    @argument("--pull", default="", help="comma-separated variables to bring back from rank 0")
+    @argument("--no-init", action="store_true", help="don't initialise the process group")
+    @argument("--view", default="auto", choices=("auto", "widget", "text"), help="how to show the ranks' output")
+    @argument("--ranks", default=None, help="in a session: comma-separated ranks to run on (the others stay idle)")
+    @argument("--fresh", action="store_true", help="run on new one-shot ranks even while a session is live")
+    @cell_magic
+    def distributed(self, line, cell):
+        """Run this cell on N PyTorch ranks, with each rank's output live.
+
+        The cell's last expression on each rank is in ``_dist.results``; rank 0's is the cell's
+        result. ``_dist`` is the last :class:`nbdist.Run`.
+
+        Examples
+        --------
+        ::
+
+            %%distributed --nprocs 4 --pull loss
+            import torch.distributed as dist
+            loss = train(model)          # train and model come from the notebook
+            dist.get_rank()
+        """
+        return run_cell_sync(self.shell, line, cell)
+
+    @magic_arguments()
+    @world_arguments
+    @line_magic
+    def dist_start(self, line):
+        """Start the notebook's session: ranks that live across cells; ``%%distributed`` cells then run in it.
+
+        Returns at once and shows the ranks come up. Variables a cell defines stay on the ranks
+        for the next cell; the stop button interrupts the cell and keeps them.
+
+        Examples
+        --------
+        ::
+
+            %dist_start -n 4
+        """
+        from nbdist.frontend.session_magics import start_session
+
+        start_session(self.shell, world_options(parse_argstring(self.dist_start, line)))
+
+    @line_magic
+    def dist_stop(self, line):
+        """``%dist_stop``: end the notebook's session; nothing of it is left running."""
+        from nbdist.frontend.session_magics import stop_session
+
+        print(stop_session())
+
+    @line_magic
+    def dist_restart(self, line):
+        """``%dist_restart``: new ranks for the session (the old ones and their state go)."""
+        from nbdist.frontend.session_magics import restart_session
+
+        restart_session(self.shell)
+
+    @line_magic
+    def dist_stacks(self, line):
+        """``%dist_stacks``: every session rank's Python stack, now, without stopping anything."""
+        from nbdist.frontend.session_magics import show_stacks
+
+        show_stacks()
+
+    @line_magic
+    def dist_ps(self, line):
+        """Show leftover processes of any run (this kernel's or a dead kernel's), with Kill all."""
+        procs = ps(line.strip() or None)
+        if getattr(self.shell, "kernel", None) is None:
+            print(format_table(procs))
+            return None
+        import ipywidgets as w
+
+        table = w.HTML(_procs_html(procs))
+        button = w.Button(description="Kill all", icon="stop", button_style="danger",
+                          disabled=not procs, layout=w.Layout(width="90px"))
+        status = w.HTML()
+
+        def on_click(_):
+            button.disabled = True
+            n = kill(line.strip() or None)
+            status.value = f"<span style='font-size:12px'>stopped {n} process{'es' if n != 1 else ''}</span>"
+            table.value = _procs_html(ps(line.strip() or None))
+
+        button.on_click(on_click)
+        from IPython.display import display
+
+        display(w.VBox([table, w.HBox([button, status])]))
+        print(format_table(procs))
+        return None
+
+    @line_magic
+    def dist_warm(self, line):
+        """``%dist_warm [--refresh] [MODULE ...]``: start or refresh the warm template, preloading MODULEs.
+
+        Ranks forked from it start in milliseconds. ``%dist_warm --off`` ends it (launches spawn).
+        """
+        from nbdist.warmstart import handle as warm
+
+        words = line.split()
+        if "--off" in words:
+            warm.close_templates()
+            print("nbdist: warm start is off for this kernel until %dist_warm")
+            return None
+        modules = [w for w in words if not w.startswith("-")]
+        bad = [m for m in modules if not all(_IDENT.match(part) for part in m.split("."))]
+        if bad:
+            raise UsageError(f"%dist_warm takes module names, got {', '.join(map(repr, bad))}")
+        template = warm.warm(preload=modules, refresh="--refresh" in words, wait=True)
+        took = f" in {template.ready_after:.1f} s" if template.ready_after else ""
+        failed = template.info.get("failed") or []
+        print(f"nbdist: {template.describe()}{took}; preload: {', '.join(template.preload) or '(torch only)'}")
+        for line_ in failed:
+            print(f"nbdist: preload failed: {line_}")
+        return None
+
+    @line_magic
+    def dist_kill(self, line):
+        """``%dist_kill [RUN_ID]``: stop the processes of one run, or of every run."""
+        n = kill(line.strip() or None)
+        print(f"stopped {n} process{'es' if n != 1 else ''}")
+
+    @line_magic
+    def dist_logs(self, line):
+        """``%dist_logs [RUN_ID] [RANK]``: print the logs of the last run (or of RUN_ID)."""
+        parts = line.split()
+        run = self.shell.user_ns.get("_dist")
+        if parts and not parts[0].isdigit():
+            run_dir = os.path.join(rundir.choose_runs_root(), parts.pop(0))
+        elif run is not None:
+            run_dir = run.run_dir
+        else:
+            raise UsageError("no run yet: give a RUN_ID (see %dist_ps)")
+        if not os.path.isdir(run_dir):
+            raise UsageError(f"no run dir at {run_dir}")
+        ranks = sorted(rundir.read_pids(run_dir)) or [0]
+        if parts:
+            ranks = [int(parts[0])]
+        for rank in ranks:
+            for stream in ("stdout", "stderr"):
+                path = rundir.log_path(run_dir, rank, stream)
+                if os.path.exists(path) and os.path.getsize(path):
+                    with open(path, encoding="utf-8", errors="replace") as fh:
+                        print(f"===== rank {rank} {stream} ({path})\n{fh.read()}", end="")
+
+
+def _procs_html(procs) -> str:
+    ranks = [p for p in procs if not p.is_template]
+    notes = "".join(f"<div style='font-size:12px;color:#666'>{html.escape(describe_template(p))}</div>"
+                    for p in sort_procs([p for p in procs if p.is_template]))
+    if not ranks:
+        return f"<span style='font-size:12px'>no nbdist ranks are running</span>{notes}"
+    head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>"
+                   for h in ("run id", "rank", "pid", "age", "memory", "command"))
+    rows = []
+    for p in sort_procs(ranks):
+        cells = (p.run_id, "-" if p.rank is None else p.rank, p.pid, f"{p.age:.0f} s",
+                 f"{p.rss / 2**20:.0f} MiB", p.cmdline[:70])
+        rows.append("<tr>" + "".join(f"<td style='padding:2px 10px'><code>{html.escape(str(c))}</code></td>"
+                                     for c in cells) + "</tr>")
+    return f"<table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}</table>{notes}"
+
+
+def load_ipython_extension(ipython) -> None:
+    from nbdist.warmstart.handle import start_in_background
+
+    ipython.register_magics(DistributedMagics)
+    start_in_background()  # the template imports torch while the user writes the first cell
+    if _rewrite_distributed_cell not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(_rewrite_distributed_cell)
+
+
+def unload_ipython_extension(ipython) -> None:
+    if _rewrite_distributed_cell in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(_rewrite_distributed_cell)

@@ -1,0 +1,193 @@
+"""The notebook's session, from IPython: ``%dist_start``, ``%dist_stop``, ``%dist_restart``,
+``%dist_stacks``, and ``%%distributed`` cells that run in the live session.
+
+A thin front end over :class:`nbdist.Session`, as ``magic.py`` is over runs: it parses flags,
+turns a cell into a payload in the session's cell dir, and hands the cell's handle to the same
+views a one-shot run gets. One session per kernel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from IPython.core.error import UsageError
+
+from nbdist.protocol import rundir
+from nbdist.frontend.cell_source import CellSource, find_defined_names
+from nbdist.worker.cell import run_cell
+from nbdist.errors import LaunchConfigError, SessionLostError
+from nbdist.session.handle import Session
+
+__all__ = ["live_session", "start_session", "stop_session", "restart_session", "show_stacks",
+           "launch_session_cell"]
+
+_SESSION: Session | None = None
+# Flags whose value in a cell must match the live session's (None: the flag's default, "any").
+_WORLD_FLAGS = {"nprocs": None, "launcher": "auto", "backend": "auto", "nnodes": 1, "node_rank": 0}
+
+
+def live_session() -> Session | None:
+    """The notebook's session while it is starting, idle, busy or broken (a broken one says so)."""
+    return _SESSION if _SESSION is not None and _SESSION.status != "closed" else None
+
+
+def start_session(shell, options) -> Session:
+    """``%dist_start``: start the ranks in the background and show them come up."""
+    global _SESSION
+    if live_session() is not None:
+        raise UsageError(f"a session is live already ({_describe(_SESSION)}): %dist_stop or %dist_restart first")
+    try:
+        _SESSION = Session(**options.session_kwargs())
+    except LaunchConfigError as exc:
+        raise UsageError(str(exc)) from None
+    _show_coming_up(shell, _SESSION)
+    return _SESSION
+
+
+def stop_session() -> str:
+    global _SESSION
+    session = live_session()
+    if session is None:
+        return "nbdist: no session is live"
+    n = len(session.pids) or session.nprocs
+    session.close()
+    _SESSION = None
+    return f"nbdist: session {session.session_id} stopped ({n} ranks); nothing of it is left running"
+
+
+def restart_session(shell) -> Session:
+    session = _SESSION
+    if session is None:
+        raise UsageError("no session to restart: %dist_start first")
+    session.restart()
+    _show_coming_up(shell, session)
+    return session
+
+
+def show_stacks() -> None:
+    """``%dist_stacks``: every rank's Python stack, now, without stopping anything."""
+    session = live_session()
+    if session is None or session.status in ("starting", "broken"):
+        raise UsageError("%dist_stacks shows a live session's ranks (%dist_start); a one-shot run dumps its "
+                         "stacks with --timeout")
+    dumps = session.stacks()
+    for rank, pid in session.pids.items():
+        dump = dumps.get(rank)
+        if dump is None:
+            print(f"===== rank {rank} (pid {pid}): no stack came back (is it stuck outside Python?)")
+            continue
+        print(f"===== rank {rank} (pid {pid}): {dump.where}\n{dump.main}")
+
+
+def _describe(session: Session) -> str:
+    how = session.options.launcher if session.options.launcher != "auto" else "spawn"
+    return f"{session.nprocs} ranks, {how}, {session.status}"
+
+
+def _show_coming_up(shell, session: Session) -> None:
+    """One line now; in a kernel, a line per rank that follows the ranks until they are up."""
+    print(f"nbdist: session {session.session_id} starting {session.nprocs} ranks; cells now run in it "
+          f"(--fresh for one-shot ranks)")
+    _follow_ranks(shell, session)
+
+
+def _follow_ranks(shell, session: Session) -> None:
+    """In a kernel, a line per rank that follows the ranks until they are up (a widget)."""
+    if getattr(shell, "kernel", None) is None:
+        return
+    import ipywidgets as w
+    from IPython.display import display
+
+    status = w.HTML(_ranks_html(session))
+    display(status)
+
+    def follow():
+        deadline = time.monotonic() + 300
+        while session.status == "starting" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status.value = _ranks_html(session)
+        status.value = _ranks_html(session)
+
+    threading.Thread(target=follow, name="nbdist-session-view", daemon=True).start()
+
+
+def _ranks_html(session: Session) -> str:
+    import html
+
+    import psutil
+
+    rows = []
+    for rank in range(session.nprocs):
+        pid = session.pids.get(rank)
+        try:
+            mem = f"{psutil.Process(pid).memory_info().rss / 2**20:.0f} MiB" if pid else ""
+        except psutil.NoSuchProcess:
+            mem = "gone"
+        state = "up" if pid else "starting"
+        rows.append(f"<tr><td>rank {rank}</td><td>{state}</td><td>{pid or '-'}</td><td>{mem}</td></tr>")
+    # A snapshot of how the start went, not a live status (later cells have their own views).
+    if session.status == "starting":
+        head = "starting"
+    elif session.lost_reason:
+        head = "could not start"
+    else:
+        head = f"{len(session.pids)} ranks up in {session.ready_after:.1f} s" if session.ready_after else "up"
+    note = f"<div>{html.escape(session.lost_reason)}</div>" if session.lost_reason else ""
+    return (f"<div style='font-size:12px'><b>nbdist</b> session <code>{session.session_id}</code> · "
+            f"{head}<table>{''.join(rows)}</table>{note}</div>")
+
+
+def _check_same_world(session: Session, args) -> None:
+    asked = {name: getattr(args, name) for name, default in _WORLD_FLAGS.items() if getattr(args, name) != default}
+    differ = [f"--{k.replace('_', '-')} {v}" for k, v in asked.items() if getattr(session.options, k) != v
+              and not (k == "nprocs" and v == session.nprocs)]
+    if differ:
+        raise UsageError(f"this notebook's session has {_describe(session)}; this cell asks for {', '.join(differ)}: "
+                         f"%dist_stop (or %dist_restart) first, or --fresh for one-shot ranks")
+
+
+def _parse_ranks(text) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise UsageError(f"--ranks takes comma-separated rank numbers, got {text!r}") from None
+
+
+def launch_session_cell(shell, session: Session, args, line: str, cell: str):
+    """Start a ``%%distributed`` cell in the live session; return ``(job, cell handle)``.
+
+    Notebook variables the cell reads travel as for a one-shot cell, except names that earlier
+    cells defined on the ranks: the ranks' own value wins there (``--push`` still sends it).
+    """
+    from nbdist.frontend.cell_job import split_names, world_options, write_cell
+
+    _check_same_world(session, args)
+    ranks = _parse_ranks(args.ranks)
+    push, pull = split_names(args.push, "--push"), split_names(args.pull, "--pull")
+    options = world_options(args)
+    if session.status == "starting":  # the cell waits for the ranks, and shows them come up meanwhile
+        print(f"nbdist: this cell waits for session {session.session_id}'s ranks to come up "
+              f"({len(session.pids)} of {session.nprocs} up so far)")
+        _follow_ranks(shell, session)
+    try:
+        targets = session.prepare(ranks)  # a cell sent while the session starts waits for it
+    except SessionLostError as exc:
+        raise UsageError(f"{exc.reason}; %dist_restart brings new ranks, --fresh runs this cell on one-shot ranks") \
+            from None
+    except (LaunchConfigError, RuntimeError) as exc:
+        raise UsageError(str(exc)) from None
+    cell_dir = session.new_cell_dir()
+    try:
+        job = write_cell(shell, args, options, None, CellSource(line, cell), f"{session.session_id}", cell_dir, push,
+                         pull, on_ranks=session.defined_names)
+        rundir.write_payload(cell_dir, run_cell, (job.cell_file, job.pushed, job.modules, job.pull), {})
+        handle = session.start_cell(cell_dir, targets, args.timeout)
+    except BaseException:
+        rundir.discard_run_dir(cell_dir)
+        raise
+    session.defined_names |= find_defined_names(job.tree)
+    shell.user_ns["_dist"] = handle
+    return job, handle

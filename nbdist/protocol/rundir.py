@@ -1,0 +1,294 @@
+"""The run dir: the one record of a run, written by the kernel and read by the ranks.
+
+Layout (all files 0600 in a 0700 folder, because the payload is code)::
+
+    spec.json            RunSpec: run id, world layout, backend, rendezvous, kernel pid
+    payload.pkl          the cloudpickled function, its arguments and notebook source lines
+    cell.py              the cell source (written by the magic), so tracebacks show real lines
+    rank{R}.stdout/.stderr   everything the rank wrote to fd 1 and 2
+    result.{R}.pkl       the rank's return value
+    error.{R}.json       the rank's exception, formatted
+    pids                 "rank pid" lines, one per rank process
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "RunSpec",
+    "RankIdentity",
+    "choose_runs_root",
+    "create_run_dir",
+    "discard_run_dir",
+    "new_run_id",
+    "record_running",
+    "read_running",
+    "TEMPLATE_PREFIX",
+    "write_private",
+    "write_spec",
+    "read_spec",
+    "write_payload",
+    "read_payload",
+    "dump_pickle_checked",
+    "write_result",
+    "read_result",
+    "write_error",
+    "read_error",
+    "record_pid",
+    "read_pids",
+    "log_path",
+    "PULL_FILE",
+    "RUN_ID_ENV",
+    "RUN_DIR_ENV",
+]
+
+RUN_ID_ENV = "NBDIST_RUN_ID"
+RUN_DIR_ENV = "NBDIST_RUN_DIR"
+PULL_FILE = "pull.pkl"  # the --pull variables rank 0 leaves for the kernel
+
+
+@dataclass
+class RankIdentity:
+    """Where a rank sits in the world; set in the env exactly as torchrun names it."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int = 0  # torchrun's GROUP_RANK
+
+
+@dataclass
+class RunSpec:
+    """Everything a rank needs to know besides the payload. Crosses the kernel/rank boundary as JSON."""
+
+    run_id: str
+    nprocs: int
+    world_size: int
+    node_rank: int = 0
+    backend: str = "auto"
+    init_method: str | None = None  # "env://" or "tcp://host:port"; None means don't init
+    master_addr: str | None = "127.0.0.1"  # None: the engine sets MASTER_ADDR/PORT (torchrun)
+    master_port: int | None = None
+    use_agent_store: bool = True  # the kernel hosts the TCPStore; every rank is a client
+    parent_pid: int = 0
+    pdeathsig: bool = True
+    start_method: str = "spawn"
+    mp_start_method: str | None = None  # the kernel's own multiprocessing default, for the rank's children
+    kernel_host: str | None = None  # ranks on another host mirror their output over the channel
+    output_channel: list | None = None  # [host, port] of the kernel's OutputChannel, or None
+    output_key: str | None = None  # the channel's HMAC key (this file is 0600 in a 0700 folder)
+    reformable: bool = False  # a session's ranks: groups it can re-form in place (nbdist.worker.reformable_groups)
+    created: float = field(default_factory=time.time)
+
+    def identity_for(self, local_rank: int, node_rank: int | None = None) -> RankIdentity:
+        """Rank ``local_rank`` of node ``node_rank`` (this spec's node by default)."""
+        node = self.node_rank if node_rank is None else node_rank
+        return RankIdentity(
+            rank=node * self.nprocs + local_rank,
+            local_rank=local_rank,
+            world_size=self.world_size,
+            local_world_size=self.nprocs,
+            node_rank=node,
+        )
+
+
+# A warm template's run id (nbdist.warmstart.handle) starts with this; ps tells templates from ranks by it.
+TEMPLATE_PREFIX = "warm-"
+
+
+def new_run_id() -> str:
+    """Readable and unique: time of day plus 6 random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def choose_runs_root(base: str | None = None) -> str:
+    """The folder under which run dirs live: ``base``, ``$NBDIST_RUN_DIR`` or a private temp folder."""
+    root = base or os.environ.get(RUN_DIR_ENV) or os.path.join(tempfile.gettempdir(), f"nbdist-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.stat(root)
+    # A shared /tmp folder that someone else made first must not become our code drop.
+    if st.st_uid != os.getuid():
+        raise PermissionError(f"{root} belongs to uid {st.st_uid}, not to you; set NBDIST_RUN_DIR")
+    return root
+
+
+def create_run_dir(run_id: str, base: str | None = None) -> str:
+    """Make the private run dir (0700) for ``run_id`` and return its path."""
+    path = os.path.join(choose_runs_root(base), run_id)
+    os.mkdir(path, 0o700)
+    os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask; be exact
+    return path
+
+
+def discard_run_dir(run_dir: str) -> None:
+    """Remove the dir of a run that never started (a refused launch leaves nothing behind)."""
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def write_private(path: str, data: bytes) -> None:
+    """Write atomically with mode 0600, so a reader sees nothing or everything."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+
+
+def write_spec(run_dir: str, spec: RunSpec) -> None:
+    write_private(os.path.join(run_dir, "spec.json"), json.dumps(asdict(spec), indent=1).encode())
+
+
+def read_spec(run_dir: str) -> RunSpec:
+    with open(os.path.join(run_dir, "spec.json"), "rb") as fh:
+        return RunSpec(**json.load(fh))
+
+
+def dump_pickle_checked(value, what: str) -> bytes:
+    """cloudpickle ``value``, or raise a one-line TypeError that names ``what`` and its type."""
+    from nbdist.protocol.pickling import dumps
+
+    try:
+        return dumps(value)
+    except Exception as exc:  # pickling raises anything: TypeError, PicklingError, AttributeError...
+        raise TypeError(
+            f"{what} of type {type(value).__module__}.{type(value).__qualname__} can't be sent to the ranks: "
+            f"{type(exc).__name__}: {exc}. Create it inside the function, or pass something picklable."
+        ) from None
+
+
+def _collect_notebook_sources(limit_bytes: int = 4_000_000) -> dict[str, list[str]]:
+    """Source lines of code that lives only in this process's linecache (notebook cells).
+
+    Ranks load functions by value; without these lines their tracebacks would show line numbers
+    with no source. Files that exist on disk are read there, so only virtual files travel.
+    """
+    import linecache
+
+    out, size = {}, 0
+    for filename, entry in list(linecache.cache.items()):
+        if len(entry) < 3 or os.path.exists(filename):
+            continue
+        lines = entry[2]
+        n = sum(len(line) for line in lines)
+        if size + n > limit_bytes:
+            break
+        out[filename], size = list(lines), size + n
+    return out
+
+
+def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None) -> None:
+    """cloudpickle ``fn`` with its arguments into ``payload.pkl``; errors name the bad argument."""
+    import pickle
+
+    kwargs = dict(kwargs or {})
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    parts = {"fn": dump_pickle_checked(fn, f"the function {getattr(fn, '__qualname__', fn)!r}")}
+    parts["args"] = [dump_pickle_checked(a, f"positional argument {i}") for i, a in enumerate(args)]
+    parts["kwargs"] = {k: dump_pickle_checked(v, f"argument {k!r}") for k, v in kwargs.items()}
+    parts["extra"] = {k: dump_pickle_checked(v, f"{k!r}") for k, v in (extra or {}).items()}
+    parts["sources"] = _collect_notebook_sources()
+    write_private(os.path.join(run_dir, "payload.pkl"), pickle.dumps(parts))
+
+
+def read_payload(run_dir: str):
+    """Return ``(fn, args, kwargs, extra)`` and seed linecache with the notebook's sources."""
+    import linecache
+    import pickle
+
+    with open(os.path.join(run_dir, "payload.pkl"), "rb") as fh:
+        parts = pickle.load(fh)
+    for filename, lines in parts.get("sources", {}).items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    fn = pickle.loads(parts["fn"])
+    args = [pickle.loads(a) for a in parts["args"]]
+    kwargs = {k: pickle.loads(v) for k, v in parts["kwargs"].items()}
+    extra = {k: pickle.loads(v) for k, v in parts.get("extra", {}).items()}
+    return fn, args, kwargs, extra
+
+
+def log_path(run_dir: str, rank: int, stream: str) -> str:
+    return os.path.join(run_dir, f"rank{rank}.{stream}")
+
+
+def write_result(run_dir: str, rank: int, value) -> None:
+    data = dump_pickle_checked(value, f"the return value of rank {rank}")
+    write_private(os.path.join(run_dir, f"result.{rank}.pkl"), data)
+
+
+def read_result(run_dir: str, rank: int):
+    """Return ``(True, value)`` or ``(False, None)`` when the rank wrote no result."""
+    import pickle
+
+    path = os.path.join(run_dir, f"result.{rank}.pkl")
+    try:
+        with open(path, "rb") as fh:
+            return True, pickle.load(fh)
+    except FileNotFoundError:
+        return False, None
+
+
+def write_error(run_dir: str, rank: int, info: dict) -> None:
+    write_private(os.path.join(run_dir, f"error.{rank}.json"), json.dumps(info).encode())
+
+
+def read_error(run_dir: str, rank: int) -> dict | None:
+    try:
+        with open(os.path.join(run_dir, f"error.{rank}.json"), "rb") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
+
+
+def record_pid(run_dir: str, rank: int, pid: int) -> None:
+    # O_APPEND writes of one short line are atomic, so ranks can share the file.
+    fd = os.open(os.path.join(run_dir, "pids"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, f"{rank} {pid}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def record_running(run_dir: str, rank: int) -> None:
+    """The rank is past its startup (imports, process group) and in the user's code."""
+    fd = os.open(os.path.join(run_dir, "running"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, f"{rank}\n".encode())
+    finally:
+        os.close(fd)
+
+
+def read_running(run_dir: str) -> set[int]:
+    """Ranks that reached the user's code (the others were still starting)."""
+    try:
+        with open(os.path.join(run_dir, "running")) as fh:
+            return {int(line) for line in fh if line.strip().isdigit()}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
+def read_pids(run_dir: str) -> dict[int, int]:
+    """rank -> pid, as the ranks recorded themselves."""
+    out = {}
+    try:
+        with open(os.path.join(run_dir, "pids")) as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) == 2:
+                    out[int(parts[0])] = int(parts[1])
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    return out

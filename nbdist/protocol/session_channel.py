@@ -1,0 +1,39 @@
+"""What a session's kernel and its ranks share besides the run dir: the channel's key file, the cut
+request, the socket option both ends set, and how a reply's value is read.
+
+The messages themselves are tuples sent over ``multiprocessing.connection``:
+kernel -> rank ``("cell", cell_id, cell_dir)``, ``("release",)``, ``("close",)``;
+rank -> kernel ``("hello", rank, pid, host)``, ``("started", rank, cell_id, offsets)``,
+``("display", rank, cell_id, data, metadata)``, ``("done", rank, cell_id, kind, body, offsets)``.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+
+__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "set_nodelay", "load_value"]
+
+
+SESSION_KEY_FILE = "session.key"
+
+
+def set_nodelay(conn) -> None:
+    """No Nagle on a cell channel: a reply of a few bytes must not wait 40 ms for an ACK."""
+    import socket
+
+    with contextlib.suppress(OSError):
+        sock = socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM)  # a dup of the same socket
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        finally:
+            sock.close()
+
+
+CUT_REQUEST = "cut"  # the file, in a cell's dir, by which the kernel asks the ranks stuck in it to cut
+
+
+def load_value(blob: bytes):
+    """A value a rank sent (pickled by :func:`_run_one`)."""
+    return pickle.loads(blob)

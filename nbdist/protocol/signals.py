@@ -1,0 +1,55 @@
+"""The signals both sides agree on, and how a process asks to die with its parent.
+
+Standard library only: the kernel (which sends them) and the ranks (which handle them) import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import signal
+
+__all__ = ["PARENT_DIED_SIGNAL", "STACK_DUMP_SIGNAL", "CUT_SIGNAL", "set_pdeathsig", "dump_signal_held"]
+
+# prctl(2)'s option number: ask the kernel for a signal when the parent thread dies.
+
+
+PR_SET_PDEATHSIG = 1
+
+
+# A signal no library uses, so that our "parent died" handler is never someone else's.
+PARENT_DIED_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else signal.SIGTERM
+
+
+# faulthandler dumps every thread's stack into the rank's log on this one (a timeout, %dist_stacks).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+# A session rank stuck in a collective cuts its own group connections on this one (a thread of
+# its own waits for it with sigwait: the main thread may be inside C code). Blocked in every
+# thread of every rank from the start, so it is never delivered anywhere else.
+CUT_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
+
+
+def set_pdeathsig(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` when our parent (thread) dies. Linux only."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+@contextlib.contextmanager
+def dump_signal_held():
+    """Hold STACK_DUMP_SIGNAL in this thread (and so in every process it starts) for the block.
+
+    A new rank inherits the held signal: a timeout that expires while the rank is still starting
+    leaves the signal pending instead of killing the rank by its default action, and the rank
+    dumps its stack as soon as its handler is in (:func:`nbdist.worker.bootstrap.prepare_rank_process`).
+    """
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)

@@ -1,0 +1,226 @@
+"""One cell in a session: a run of its own, on ranks that already exist.
+
+A :class:`CellHandle` answers what a view asks of a :class:`nbdist.run.state.Run` (events, rank
+states, status, error, Kill), so ``%%distributed`` shows a session cell with the same views: its
+output is the part of each rank's log between the cell's start and its end.
+
+The cell's lifecycle is the *cell* level of the design: it ends finished, failed (some rank
+raised; the ranks are idle again, their namespaces kept) or interrupted (the stop button; idle
+again, state kept). It ends "lost" only when the session itself was lost under it (a rank died,
+or could not be brought back). :class:`CellHandle` is what ``Session.run(..., join=False)``
+returns; the session fills it from the ranks' replies.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from nbdist.errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
+from nbdist.run.events import EventSource, RankStatus, RunEvent
+from nbdist.run.events import DisplayEvent, OutputChunk
+
+__all__ = ["CellHandle"]
+
+class CellHandle(EventSource):
+    """A cell (or function) running on some ranks of a session.
+
+    A text view prints nothing more for a cell that finished (its output is all there is), as a
+    kernel does for a plain cell.
+
+    Attributes
+    ----------
+    cell_id : int
+        The cell's number in its session.
+    targets : list of int
+        The ranks it runs on (the others stay idle).
+    ranks : dict
+        rank -> :class:`nbdist.run.events.RankStatus`, as a Run has them (what the views draw).
+    status : str
+        "running", "finished", "failed", "interrupted" or "lost".
+    results : dict
+        rank -> value of the ranks that finished so far.
+    cell_dir : str
+        The cell's record: its payload (and source, for ``execute``).
+
+    Examples
+    --------
+    >>> cell = session.run(train_epoch, join=False)
+    >>> cell.done
+    False
+    >>> cell.interrupt()      # back to idle, the model and optimizer kept
+    """
+
+    def __init__(self, session, cell_id: int, ranks: list[int], cell_dir: str, internal: bool = False):
+        self.session = session
+        self.internal = internal  # nbdist's own call (bringing the ranks in step), not a user's cell
+        self.cell_id = cell_id
+        self.targets = list(ranks)
+        self.cell_dir = cell_dir
+        self.status = "running"
+        self.results: dict[int, object] = {}
+        self.failures: dict[int, RankFailure] = {}
+        self.interrupted: set[int] = set()
+        self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
+        self.error: BaseException | None = None
+        self.released: list[int] = []  # ranks freed from a collective by dropping their peers' connections
+        self.release_sent: set[int] = set()  # ranks told to drop their connections
+        self.note: str | None = None  # what the session did to bring the ranks in step after this cell
+        self.announced = False  # a session across kernels told the other nodes that this cell stopped
+        self.stopped_by: str | None = None  # another node's kernel stopped its part first, and why
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.run_id = f"{session.session_id}/{cell_id}"
+        self.run_dir = cell_dir
+        self.log_dir = session.run_dir  # each rank's log is one file for the whole session
+        self.label = f"session {session.session_id} · cell {cell_id}"
+        self.quiet_when_finished = True
+        self.nprocs = len(self.targets)
+        self.ranks = {r: RankStatus(r, "running", pid=session.pids.get(r)) for r in self.targets}  # as Run.ranks
+        self.report: str | None = None
+        self._subscribers: list = []
+        self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
+        self.displays: list[DisplayEvent] = []  # rich output, in order (replayed too)
+        self.answered = threading.Event()  # every targeted rank replied (the cell is done once in step)
+        self._done = threading.Event()
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"<nbdist.CellHandle {self.cell_id} {self.status} ranks={format_rank_set(self.targets)}>"
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    # ---- what a view asks of a run ----------------------------------------------------------
+    def global_rank(self, rank: int) -> int:
+        return rank  # a cell's ranks are named by their global rank already
+
+    def subscribe(self, callback, replay: bool = True) -> None:
+        """Call ``callback(event)`` for the cell's output chunks and rank states (as Run.subscribe)."""
+        with self._lock:
+            if replay:
+                self._replay(callback, self._lines, self.displays)
+            self._subscribers.append(callback)
+
+    def feed(self, chunk: OutputChunk) -> None:
+        """Output of a rank while this cell runs (the session forwards its ranks' log lines)."""
+        if chunk.rank not in self._lines or self.done:
+            return
+        with self._lock:
+            self._lines[chunk.rank].extend((chunk.stream, line) for line in chunk.lines)
+            self._emit(chunk)
+
+    def feed_display(self, rank: int, data: dict, metadata: dict) -> None:
+        """A rank's ``display(...)`` or figure: the views show rank 0's in the notebook, others' in their tab."""
+        with self._lock:
+            self.displays.append(DisplayEvent(rank, data, metadata))
+            self._emit(self.displays[-1])
+
+    def _set_rank(self, rank: int, status: str) -> None:
+        st = self.ranks[rank]
+        st.status, st.ended = status, time.monotonic()
+        self._emit(RunEvent(status, rank, st))
+
+    def kill(self):
+        """The view's Kill button on a session cell: stop the cell, keep the ranks and their state."""
+        self.interrupt()
+
+    def busy_ranks(self) -> list[int]:
+        """Targeted ranks that have not answered yet."""
+        answered = set(self.results) | set(self.failures) | self.interrupted
+        return [r for r in self.targets if r not in answered]
+
+    # ---- filled in by the session --------------------------------------------------------
+    def record_start(self, rank: int, offsets) -> None:
+        self.offsets[rank] = (tuple(offsets), None)
+
+    def record_done(self, rank: int, kind: str, body, offsets, pid: int | None) -> bool:
+        """One rank's answer; True when it was the last one."""
+        from nbdist.protocol.session_channel import load_value
+
+        with self._lock:
+            start = self.offsets.get(rank, (None, None))[0]
+            self.offsets[rank] = (start, tuple(offsets))
+            if kind == "finished":
+                self.results[rank] = load_value(body)
+            elif kind == "interrupted":
+                self.interrupted.add(rank)
+            else:
+                self.failures[rank] = _failure_from(rank, pid, body)
+            self._set_rank(rank, kind)
+            if self.busy_ranks():
+                return False
+            self.answered.set()
+            return True
+
+    def finish(self) -> None:
+        """Every targeted rank answered: settle the cell's status and error."""
+        with self._lock:
+            if self.done:
+                return
+            results = dict(sorted(self.results.items()))
+            if self.failures:
+                self.status = "failed"
+                self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note,
+                                               elsewhere=self.session.ranks_elsewhere(), remote_cause=self.stopped_by)
+            elif self.interrupted:
+                self.status = "interrupted"
+                self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
+                if self.note:
+                    self.report += f"; {self.note}"
+                self.error = RunStoppedError("interrupted", results, self.cell_dir, self.report)
+            else:
+                self.status = "finished"
+            self._end()
+
+    def lose(self, error: SessionLostError) -> None:
+        """The session went down under this cell. A rank that raised first is still the root cause:
+        the error names it (with its cell lines), and says that the session was stopped."""
+        with self._lock:
+            if self.done:
+                return
+            if self.failures:
+                error = WorkerFailedError(self.failures, dict(sorted(self.results.items())), self.cell_dir,
+                                          error.reason, elsewhere=self.session.ranks_elsewhere())
+                error.session_lost = True
+            self.status, self.error = "lost", error
+            for rank in self.busy_ranks():
+                self._set_rank(rank, "killed")
+            self._end()
+
+    def _end(self) -> None:
+        self.ended = time.monotonic()
+        self._done.set()
+        self._emit(RunEvent(self.status, None, self.error or self.report))
+
+    # ---- what users call -----------------------------------------------------------------
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until every targeted rank answered; return ``{rank: value}`` or raise the cell's error.
+
+        KeyboardInterrupt while waiting interrupts the cell (the ranks go back to idle, their
+        state kept), then propagates. ``timeout`` only limits this wait.
+        """
+        self._wait_until_done(timeout)
+        if self.error is not None:
+            raise self.error
+        return dict(sorted(self.results.items()))
+
+    def interrupt(self) -> None:
+        """Raise KeyboardInterrupt in the user code of every busy rank; wait until they are idle.
+
+        A rank left in a collective is released (its peers drop their connections) and the
+        groups are re-formed in place. A rank that can't be brought back within a few seconds
+        (stuck in C code) is dumped and the session is stopped, whole tree; the cell then says
+        which rank was stuck.
+        """
+        self.session.interrupt_cell(self)
+        self._done.wait(60)  # the ranks answered; the session brings them in step, then the cell ends
+
+
+def _failure_from(rank: int, pid, info: dict) -> RankFailure:
+    return RankFailure(rank=rank, pid=pid, exitcode=None, traceback=info.get("traceback"),
+                       user_traceback=info.get("user_traceback"), exc_type=info.get("exc_type"),
+                       message=info.get("message"), hint=info.get("hint"), time=info.get("time", time.time()),
+                       secondary=info.get("secondary", False))

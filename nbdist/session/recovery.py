@@ -1,0 +1,220 @@
+"""Bringing a session's ranks back in step after a cell that failed or was interrupted.
+
+When a cell ends abnormally, some ranks may have left a collective that their peers issued, or
+been freed from one by their peers dropping their connections (:meth:`Session.interrupt_cell`).
+Either way the next collective could hang or sum the wrong tensors. So before the cell says it
+is done, the session counts each rank's collectives per group; if a rank was freed or the counts
+differ, every rank re-forms its groups *in place* (:mod:`nbdist.worker.reformable_groups`): DDP models, FSDP2
+meshes and the user's own group handles keep the objects they hold, now connected again. A group
+that can't be re-formed (a backend nbdist doesn't wrap) stops the session, said in one line, so
+the user never meets it as a hang or a wrong sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+from nbdist.protocol import rundir
+from nbdist.errors import SessionLostError, format_rank_set
+from nbdist.protocol.session_channel import CUT_REQUEST
+from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
+from nbdist.protocol.signals import CUT_SIGNAL
+from nbdist.session.peers import announce_stop
+
+__all__ = ["stop_cell", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
+           "RELEASE_AFTER_PEER_FAILED_S", "STUCK_AFTER_S", "catch_up"]
+
+# A rank in Python answers SIGINT within milliseconds; one still busy after this waits in C code,
+# most likely a collective that a peer left: the free ranks then drop their connections.
+RELEASE_AFTER_S = 0.5
+# After a peer raised, its peers are released sooner: the error must show within about 2 s.
+RELEASE_AFTER_PEER_FAILED_S = 0.3
+STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck for good (C code)
+CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for every rank to connect
+
+
+def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
+    """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
+    ``release_after`` waits in C code: the free ranks drop their group connections, and the busy
+    ones cut their own (:func:`nbdist.worker.session_loop._cut_when_asked`), which fails the collective
+    it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
+    announce_stop(session, cell)  # a session across kernels: the other nodes stop their part too
+    busy = cell.busy_ranks()
+    for pid in session.local_pids(busy):  # (a rank on another machine can't be signalled from here)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+    if not busy or cell.answered.wait(release_after):
+        return
+    with session._lock:
+        waiting = cell.busy_ranks()
+        free = [r for r in sorted(session.pids) if r not in waiting]
+        release = bool(waiting) and not cell.released and session.status == "busy" and session._active is cell
+        if release:
+            cell.released, cell.release_sent = waiting, set(free)
+    if release:
+        if free:  # and each rank it frees drops its connections in turn (release_if_asked)
+            session._send(free, ("release",))
+        if CUT_SIGNAL is not None:  # and a rank with no free peer (all stuck, or in a ring) cuts its own
+            rundir.write_private(os.path.join(cell.cell_dir, CUT_REQUEST), b"")  # for this cell only
+            for pid in session.local_pids(waiting):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, CUT_SIGNAL)
+    if cell.answered.wait(STUCK_AFTER_S):
+        return
+    stuck = cell.busy_ranks()
+    if not stuck or session.status in ("broken", "closed"):
+        return
+    where = session._dump_stacks(stuck)
+    one = len(stuck) == 1
+    freed = (f"; cutting {'its' if one else 'their'} process groups' connections did not free "
+             f"{'it' if one else 'them'}") if CUT_SIGNAL is not None else ""
+    if session.ranks_elsewhere():
+        freed += (f"; the world's {format_rank_set(session.ranks_elsewhere())} are driven by other kernels, "
+                  f"whose cell may have ended without this collective")
+    session._lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
+                  f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
+                  f"their state is lost; restart() brings new ranks")
+
+
+def release_if_asked(session, cell, rank: int) -> None:
+    """A rank freed by the release drops its own connections too: in a ring, a rank may wait on
+    a peer that was itself waiting (not on the rank that left), and only this frees it."""
+    with session._lock:
+        if not cell.released or rank in cell.release_sent:
+            return
+        cell.release_sent.add(rank)
+    session._send([rank], ("release",))
+
+
+def recover(session, cell) -> None:
+    """After a failed or interrupted cell (on a thread of its own: bringing the ranks in step needs
+    the reply reader): check every group, re-form in place if needed, then end the cell."""
+    try:
+        cell.note = bring_in_step(session, cell)
+    except SessionLostError as exc:
+        cell.lose(exc)
+        return
+    except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
+        kind = "failed" if cell.failures else "interrupted"
+        session._lose(f"the session was stopped: its ranks could not be brought back in step after the {kind} "
+                      f"cell ({type(exc).__name__}: {exc}); the state is lost; restart() brings new ranks")
+        cell.lose(SessionLostError(session.lost_reason))
+        return
+    session.become_idle(cell)
+
+
+def call_on_ranks(session, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
+    """Run nbdist's own ``fn(*args)`` on every rank of a session that is bringing its ranks in step.
+
+    Returns ``{rank: value}``; a rank that doesn't answer within ``timeout`` is dumped and the
+    session is stopped (SessionLostError); a rank that raised raises its WorkerFailedError.
+    """
+    cell_dir = session.new_cell_dir()
+    rundir.write_payload(cell_dir, fn, args, {})
+    handle = session.start_cell(cell_dir, sorted(session.pids), None, internal=True)
+    if not handle.answered.wait(timeout):
+        stuck = handle.busy_ranks()
+        where = session._dump_stacks(stuck) if stuck else ""
+        session._lose(f"the session was stopped: {format_rank_set(stuck)} did not answer within {timeout:g} s "
+                      f"while the session brought its ranks back in step{where}; the state is lost; restart() "
+                      f"brings new ranks")
+        raise SessionLostError(session.lost_reason)
+    handle._done.wait(timeout)
+    if handle.error is not None:
+        raise handle.error
+    return handle.results
+
+
+def _why(session, cell, counts: dict) -> str:
+    """What left the ranks out of step, in the words of the cell's note."""
+    if cell.released and set(cell.released) >= set(session.pids):
+        return (f"{format_rank_set(cell.released)} waited in collectives that could not complete, and were released, "
+                f"each cutting its own connections")
+    if cell.released:
+        one = len(cell.released) == 1
+        return (f"{format_rank_set(cell.released)} waited in a collective that {'its' if one else 'their'} peers "
+                f"had left, and {'was' if one else 'were'} released")
+    first = next(iter(next(iter(counts.values()))), None)  # the default group: made first
+    where = ", ".join(f"rank {r} after {c.get(first)}" for r, c in sorted(counts.items()))
+    return f"the ranks stopped at different collectives ({where})"
+
+
+def bring_in_step(session, cell) -> str | None:
+    """Check the ranks' groups after ``cell``; re-form them in place if needed.
+
+    Returns the note for the cell's output (None when nothing had to be done). Raises
+    SessionLostError when the groups are out of step and can't be re-formed.
+    """
+    across = session.world is not None
+    if across:  # every abnormal cell re-forms the world's groups, on every kernel (nbdist.session.peers)
+        announce_stop(session, cell)
+        told = lambda: session._reform_due == session._generation  # noqa: E731
+        with session._lock:
+            if cell.failures and all(f.secondary for f in cell.failures.values()):
+                # Its ranks only lost their peers: the node that stopped first says why, within ms.
+                session._told.wait_for(told, timeout=2.0)
+            cell.stopped_by = session._stopped_by if told() else None
+    answers = {r: a for r, a in call_on_ranks(session, count_collectives).items() if a is not None}
+    if not answers:
+        return None  # no process group: nothing can be out of step
+    counts = {r: a[1] for r, a in answers.items()}
+    replicas = _replicas_note({r: a[3] for r, a in answers.items()})
+    in_step = len({tuple(sorted(c.items())) for c in counts.values()}) == 1
+    if in_step and not cell.released and not across:
+        if any(a[2] for a in answers.values()):  # a step stopped half-way: the next one would not pair up
+            call_on_ranks(session, reset_models)
+        return replicas or None
+    why = _why(session, cell, counts)
+    if across and in_step and not cell.released:
+        why = f"as every node's kernel does after a cell that {'failed' if cell.failures else 'was stopped'}"
+    kind = "failed" if cell.failures else "interrupted"
+    if not all(a[0] for a in answers.values()):
+        session._lose(f"the session was stopped: after the {kind} cell {why}, and its process group "
+                      f"(backend {session.options.backend!r}) can't be re-formed in place, so the next collective "
+                      f"could hang or give wrong results; the state is lost; restart() brings new ranks")
+        raise SessionLostError(session.lost_reason)
+    session._generation += 1
+    done = call_on_ranks(session, reform_groups, session._generation)
+    ms = max(d["seconds"] for d in done.values()) * 1000
+    session.last_reform = done  # the parts' timings, for benchmarks and tests
+    where = f" across the {session.options.nnodes} nodes' kernels" if across else ""
+    note = f"the process group was re-formed in place{where} in {ms:.0f} ms"
+    note = (f"{cell.stopped_by}; {note}" if cell.stopped_by else f"{note} ({why})") + "; models, optimizers and data are kept"
+    return note + ("; " + replicas if replicas else "")
+
+
+def _replicas_note(prints: dict) -> str:
+    """DDP replicas that differ now (a rank took an optimizer step its peers did not): say which."""
+    models = max((len(p) for p in prints.values()), default=0)
+    differ = [i for i in range(models) if len({p[i] if i < len(p) else None for p in prints.values()}) > 1]
+    if not differ:
+        return ""
+    which = ", ".join(f"#{i + 1}" for i in differ)
+    return (f"the replicas of DDP model {which} (in the order the cells built them) now differ between ranks, "
+            f"which stopped at different steps: re-sync them from rank 0 before training on "
+            f"(for p in model.parameters(): dist.broadcast(p.data, src=0))")
+
+
+def catch_up(session) -> None:
+    """Idle, this node re-forms the world's groups with the kernel that announced a stop."""
+
+    with session._lock:
+        if session.status != "idle":
+            return
+        session.status = "busy"
+        session._in_step.clear()  # a cell sent now waits for the re-forming
+    try:
+        session._generation += 1
+        session.last_reform = call_on_ranks(session, reform_groups, session._generation, timeout=CHECK_TIMEOUT_S)
+    except SessionLostError:
+        pass  # call_on_ranks stopped the session and said why
+    except Exception as exc:
+        session._lose(f"the session was stopped: its ranks could not re-form the world's process group with the "
+                      f"other nodes ({type(exc).__name__}: {exc}); the state is lost; %dist_restart on every node")
+    finally:
+        with session._lock:
+            if session.status == "busy":
+                session.status = "idle"
+        session._in_step.set()

@@ -1,0 +1,296 @@
+"""Process groups that a session re-forms in place, so the user's models keep a working group.
+
+A rank left in a collective that its peers will never join can't be freed by a signal (gloo and
+NCCL wait in C++), and gloo's backend has no working ``abort()``: the only thing that releases it
+is its peers closing their connections. A torch ``ProcessGroup`` also keeps the first backend it
+was given for good (``_register_backend`` reuses the one already there), so a new backend can't be
+swapped into the group that DDP, FSDP2's mesh and the user's code already hold.
+
+So, as torchft's reconfigurable groups do, a session rank's groups are :class:`ReformableGroup`:
+a Python ``ProcessGroup`` whose collectives forward to an inner torch group (gloo, and NCCL for
+CUDA tensors where asked). The object that DDP and the mesh hold never changes; what it forwards
+to does. :func:`release_groups` drops the inner groups (NCCL's are aborted first), which closes
+their connections, and a peer stuck in a collective fails at once; :func:`reform_groups` connects
+new inner groups under a fresh store prefix, in the order the groups were made (the same on every
+rank, as ``new_group`` is collective). It is registered as the backend ``"nbdist"`` (``dist.get_backend()``
+still names the wrapped one); groups made with ``new_group()`` are re-formable too, a group made
+with an explicit ``backend="gloo"`` is not. One-shot runs don't use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
+
+from nbdist.worker.model_reset import reset_models, track_ddp_models
+
+__all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
+           "count_collectives", "live_groups"]
+
+BACKEND_NAME = "nbdist"
+
+# The collectives a group forwards (every one that torch's Python API, DDP, FSDP2 and
+# torch.distributed.checkpoint call on a group); each call counts towards the group's step.
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+                "allgather_into_tensor_coalesced", "alltoall", "alltoall_base", "barrier", "broadcast", "gather",
+                "scatter", "reduce", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                "send", "recv", "recv_anysource", "monitored_barrier", "all_gather_single",
+                "all_gather_single_coalesced", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+                "all_to_all_single")
+_PASSED = ("_start_coalescing", "_end_coalescing", "set_timeout", "_wait_for_pending_works")
+
+_GROUPS: list[weakref.ref] = []  # every group this rank made, in the order it made them
+
+
+class ReformableGroup(dist.ProcessGroup):
+    """A process group whose connections can be dropped and made again while the object lives on.
+
+    Parameters
+    ----------
+    store : torch.distributed.Store
+        The group's own store (torch gives each group a prefixed one).
+    rank, size : int
+        This rank's place in the group.
+    timeout : datetime.timedelta
+        The collectives' timeout, as ``init_process_group`` would use it.
+    devices : dict
+        Device type -> torch backend, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``.
+    """
+
+    def __init__(self, store, rank: int, size: int, timeout, devices: dict, name: str = "", desc: str = ""):
+        super().__init__(rank, size)
+        self._store, self._timeout, self._devices = store, timeout, dict(devices)
+        self._name, self._desc = name, desc
+        self.generation, self.issued = 0, 0
+        self._inner = self._connect()
+        _GROUPS.append(weakref.ref(self))
+
+    def _connect(self):
+        """A new inner torch group under this generation's store prefix (blocks until every member joins)."""
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        store = dist.PrefixStore(f"nbdist-gen{self.generation}/", self._store)
+        before = set(_socket_inodes().values())
+        inner = _CProcessGroup(store, self.rank(), self.size())
+        default = None
+        for device, backend in self._devices.items():
+            device_store = dist.PrefixStore(f"{device}/", store)
+            if backend == "gloo":
+                opts = ProcessGroupGloo._Options()
+                opts._timeout = self._timeout
+                opts._devices = [ProcessGroupGloo.create_default_device()]
+                made, kind = ProcessGroupGloo(device_store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.GLOO
+            else:  # nccl: only where CUDA is (the worker asks for it then)
+                from torch._C._distributed_c10d import ProcessGroupNCCL
+
+                opts = ProcessGroupNCCL.Options()
+                opts._timeout = self._timeout
+                made, kind = ProcessGroupNCCL(device_store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.NCCL
+            inner._register_backend(torch.device(device), kind, made)
+            default = kind if default is None or device != "cpu" else default
+        inner._set_default_backend(default)
+        # gloo connects its full mesh now: the sockets that appeared are this group's, to cut if
+        # the rank gets stuck in one of its collectives with no peer free to release it.
+        self._sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
+        return inner
+
+    def release(self) -> None:
+        """Drop the connections: a peer waiting in a collective of this group fails at once."""
+        inner, self._inner = self._inner, None
+        self._sockets = {}
+        if inner is None:
+            return
+        if "nccl" in self._devices.values():
+            inner.abort()  # NCCL frees kernels that wait on a peer; gloo has nothing to abort
+        del inner
+
+    def cut(self) -> int:
+        """From another thread, while this rank waits in one of the group's collectives: shut its
+        sockets down, so that the wait fails at once, here and at every peer (the object the main
+        thread waits on can't be dropped: its frame holds it). NCCL's communicators are aborted.
+        Returns how many sockets were cut; the group is re-formed before it is used again."""
+        inner, self._inner = self._inner, None
+        sockets, self._sockets = self._sockets, {}
+        if inner is not None and "nccl" in self._devices.values():
+            inner.abort()
+        cut = 0
+        for fd, inode in sockets.items():
+            if _socket_inodes([fd]).get(fd) != inode:
+                continue  # closed since (and the number perhaps reused): not ours any more
+            with contextlib.suppress(OSError):
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    # gloo's listener aborts the process if its socket fails: only the pairs' go.
+                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                        sock.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not this duplicate
+                        cut += 1
+                finally:
+                    sock.close()
+        return cut
+
+    def reform(self, generation: int) -> None:
+        """Connect again under ``generation`` (every member must call this with the same number)."""
+        self.release()
+        self.generation, self.issued = generation, 0
+        self._inner = self._connect()
+
+    def _target(self):
+        if self._inner is None:
+            raise RuntimeError("nbdist: this process group is being re-formed after an interrupted cell; "
+                               "run the cell again")
+        return self._inner
+
+    # The C++ side asks the Python object for these (torch's PyProcessGroup trampoline).
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def shutdown(self) -> None:
+        if self._inner is not None:
+            self._inner.shutdown()
+
+    def abort(self) -> None:
+        self.release()
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.issued
+
+
+def _forward(name: str, counts: bool):
+    def method(self, *args, **kwargs):
+        target = self._target()
+        if counts:
+            self.issued += 1
+        return getattr(target, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in _COLLECTIVES:
+    setattr(ReformableGroup, _name, _forward(_name, True))
+for _name in _PASSED:
+    setattr(ReformableGroup, _name, _forward(_name, False))
+
+
+def _create(options, _backend_options):
+    """torch's custom-backend hook: a group's ReformableGroup (torch returns it as the group itself)."""
+    return ReformableGroup(options.store, options.group_rank, options.group_size, options.timeout, _DEVICES,
+                           name=options.group_id)
+
+
+_DEVICES: dict = {}
+
+
+def register(backend: str) -> str:
+    """Make ``"nbdist"`` a torch backend that wraps ``backend`` ("gloo" or "nccl"); return its name.
+
+    With NCCL, CPU tensors go through gloo (as ``"cpu:gloo,cuda:nccl"`` would), so object
+    collectives and checkpoints of CPU state keep working.
+    """
+    _DEVICES.clear()
+    _DEVICES.update({"cpu": "gloo"} if backend == "gloo" else {"cpu": "gloo", "cuda": "nccl"})
+    if not hasattr(dist.Backend, BACKEND_NAME.upper()):
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES))
+    track_ddp_models()
+    _report_wrapped_backend(backend)
+    return BACKEND_NAME
+
+
+def _report_wrapped_backend(backend: str) -> None:
+    """``dist.get_backend()`` names the backend the user asked for ("gloo", "nccl"), not "nbdist":
+    user code and libraries compare it (``if dist.get_backend() == "nccl"``). Only the public name
+    is wrapped: torch's own calls inside ``distributed_c10d`` still see "nbdist", so a
+    ``new_group()`` without a backend is re-formable like the default group."""
+    public = getattr(dist.get_backend, "_nbdist_public", dist.get_backend)
+
+    def get_backend(group=None):
+        name = public(group)
+        return dist.Backend(backend) if name == BACKEND_NAME else name
+
+    get_backend.__doc__, get_backend._nbdist_public = public.__doc__, public
+    dist.get_backend = get_backend
+
+
+def live_groups() -> list[ReformableGroup]:
+    """This rank's re-formable groups that are still in use, oldest first."""
+    groups = [ref() for ref in _GROUPS]
+    _GROUPS[:] = [weakref.ref(g) for g in groups if g is not None]
+    return [g for g in groups if g is not None]
+
+
+def release_groups() -> int:
+    """Drop every group's connections (the session does this on the ranks that are free)."""
+    groups = live_groups()
+    for group in groups:
+        group.release()
+    return len(groups)
+
+
+def cut_groups() -> int:
+    """Cut every group's connections from a thread of the rank's own (see :meth:`ReformableGroup.cut`)."""
+    return sum(group.cut() for group in live_groups())
+
+
+def _socket_inodes(fds=None) -> dict[int, str]:
+    """``{fd: "socket:[inode]"}`` of this process's sockets (of ``fds`` only, if given)."""
+    out = {}
+    for fd in fds if fds is not None else os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:"):
+                out[int(fd)] = target
+    return out
+
+
+def reform_groups(generation: int) -> dict:
+    """Connect every group again under ``generation``; the objects (and what holds them) stay.
+
+    Returns what was done, for the cell's note: how many groups, how long each part took, and
+    how many DDP models and FSDP2 roots were reset.
+    """
+    start = time.monotonic()
+    groups = live_groups()
+    for group in groups:
+        group.release()
+    released = time.monotonic()
+    for group in groups:
+        group.reform(generation)
+    connected = time.monotonic()
+    models = reset_models()
+    return {"groups": len(groups), "seconds": time.monotonic() - start, **models,
+            "release_s": released - start, "connect_s": connected - released, "reset_s": time.monotonic() - connected}
+
+
+def count_collectives():
+    """``{group name: collectives issued}`` of this rank's groups (None without a process group).
+
+    After an interrupted or failed cell, equal counts on every rank mean that no rank left a
+    collective its peers did not issue: the groups are still in step.
+    """
+    if not dist.is_initialized():
+        return None
+    groups = live_groups()
+    if groups:
+        return {g.getGroupName(): g.issued for g in groups}
+    default = dist.distributed_c10d._get_default_group()
+    return {"default": default._get_sequence_number_for_group()}
+

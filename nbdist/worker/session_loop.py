@@ -1,0 +1,237 @@
+"""The rank side of a session: one turn of "run a payload" becomes a loop that waits for cells.
+
+A session rank starts as any rank does (own group, parent watch, fd capture, env, device,
+process group: :mod:`nbdist.worker.bootstrap` did all that before this payload runs), then connects to
+the kernel's session channel (authenticated ``multiprocessing.connection``, the key in the
+session's 0600 ``session.key``) and serves cells until the kernel says "close" or goes away.
+
+Cells run in the rank's ``__main__``, which lives as long as the rank: what a cell defines is
+there for the next one. The stop button reaches a busy rank as SIGINT from the operating system,
+never through this loop (which is busy running the cell): SIGINT is let through only while user
+code runs, so it interrupts that code and nothing else. One that comes while the rank is idle or
+reporting is dropped. Waiting for the next cell is a blocking read: an idle rank uses no CPU.
+Standard library plus rundir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from multiprocessing.connection import Client
+
+from nbdist.protocol import rundir
+from nbdist.protocol.session_channel import CUT_REQUEST, SESSION_KEY_FILE, set_nodelay
+
+__all__ = ["serve_session", "set_names", "get_name", "count_collectives", "reform_groups", "reset_models"]
+
+
+def _read_key(session_dir: str) -> bytes:
+    with open(os.path.join(session_dir, SESSION_KEY_FILE), "rb") as fh:
+        return fh.read()
+
+
+def _log_offsets() -> tuple[int, int]:
+    """Where this rank's stdout and stderr logs end now: a cell's output starts or ends there."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return os.fstat(1).st_size, os.fstat(2).st_size
+
+
+_IN_USER_CODE = False
+_STOPPED = False  # the stop button reached this cell (its error, if any, is the release's)
+
+
+def _on_sigint(signum, frame):
+    """The stop button interrupts the user's code and nothing else: one that comes while the rank
+    waits for a cell or reports one is dropped (the kernel only sends it to busy ranks)."""
+    global _STOPPED
+    if _IN_USER_CODE:
+        _STOPPED = True
+        raise KeyboardInterrupt
+
+
+def _run_one(cell_dir: str, rank: int):
+    """Run the cell's payload, interruptible; return ``(kind, body)`` for the kernel."""
+    global _IN_USER_CODE, _STOPPED
+    from nbdist.worker.exceptions import describe_exception
+
+    fn, args, kwargs, _extra = rundir.read_payload(cell_dir)
+    _STOPPED = False
+    try:
+        try:
+            _IN_USER_CODE = True
+            value = fn(*args, **kwargs)
+        finally:
+            _IN_USER_CODE = False
+    except KeyboardInterrupt:
+        _IN_USER_CODE = False  # the handler may have run before the finally's first line
+        return "interrupted", None
+    except BaseException as exc:  # SystemExit too: the rank lives on, the cell failed
+        _IN_USER_CODE = False
+        info = describe_exception(exc)
+        if _STOPPED and info["secondary"]:
+            # Stopped in a collective: the session released it by closing the peers' connections.
+            return "interrupted", None
+        sys.stderr.write(info["traceback"])
+        return "failed", info
+    try:
+        return "finished", rundir.dump_pickle_checked(value, f"the value of the cell on rank {rank}")
+    except TypeError as exc:
+        return "failed", describe_exception(exc)
+
+
+def serve_session(session_dir: str, address) -> None:
+    """The session loop of one rank: connect, say hello, run cells until "close" or end-of-file."""
+    global _IN_USER_CODE
+    rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
+    conn = Client(tuple(address), authkey=_read_key(session_dir))
+    set_nodelay(conn)
+    lock = threading.Lock()  # a cell's own threads may display while the loop reports
+    running = _RunningCell()  # the cell running now (its displays, and what a cut may touch)
+
+    def send(message) -> None:
+        with lock:
+            conn.send(message)
+
+    def send_display(data, metadata) -> None:
+        cell_id = running.cell_id
+        if cell_id is not None:
+            send(("display", rank, cell_id, data, metadata))
+        else:  # between cells: the log has it
+            print(data.get("text/plain", "<rich output>"))
+
+    from nbdist.worker import display
+
+    display.install(send_display)  # display() and plt.show() reach the notebook
+    threading.Thread(target=_cut_when_asked, args=(running,), name="nbdist-cut", daemon=True).start()
+    send(("hello", rank, os.getpid(), socket.gethostname()))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the kernel closed the session (or died: the parent watch ends us anyway)
+        if message[0] == "close":
+            return
+        if message[0] == "release":  # a peer is stuck in a collective this rank left: free it
+            release_groups()
+            continue
+        _, cell_id, cell_dir = message
+        start = _log_offsets()
+        send(("started", rank, cell_id, start))
+        running.enter(cell_id, cell_dir)
+        try:
+            kind, body = _run_one(cell_dir, rank)
+        except KeyboardInterrupt:  # a second stop within microseconds of the first
+            _IN_USER_CODE = False
+            kind, body = "interrupted", None
+        except BaseException as exc:  # the payload itself could not be read: the cell failed here
+            from nbdist.worker.exceptions import describe_exception
+
+            kind, body = "failed", describe_exception(exc)
+        running.leave()
+        send(("done", rank, cell_id, kind, body, _log_offsets()))
+
+
+class _RunningCell:
+    """The cell this rank's main thread runs, as the cut thread may see it."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.cell_id: int | None = None
+        self.cell_dir: str | None = None
+
+    def enter(self, cell_id: int, cell_dir: str) -> None:
+        with self.lock:
+            self.cell_id, self.cell_dir = cell_id, cell_dir
+
+    def leave(self) -> None:
+        with self.lock:  # never while a cut is under way: the groups it cuts are this cell's
+            self.cell_id = self.cell_dir = None
+
+
+def _cut_when_asked(running: _RunningCell) -> None:
+    """A thread that waits for CUT_SIGNAL (blocked everywhere else, so no polling and no handler
+    that would need the main thread, which may be stuck in C) and cuts the groups' connections.
+
+    Only while the main thread still runs the cell the kernel asked about (its dir holds the
+    request): a signal that comes late, once the cell is over and the groups perhaps re-formed,
+    must not cut the new ones.
+    """
+    from nbdist.protocol.signals import CUT_SIGNAL
+
+    if CUT_SIGNAL is None:
+        return
+    while True:
+        signal.sigwait({CUT_SIGNAL})
+        with running.lock:
+            asked = running.cell_dir is not None and os.path.exists(os.path.join(running.cell_dir, CUT_REQUEST))
+            if not asked or not _torch_groups_in_use():
+                continue
+            from nbdist.worker import reformable_groups
+
+            cut = reformable_groups.cut_groups()
+        print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
+              f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
+
+
+def set_names(values: dict) -> None:
+    """Run on ranks by ``Session.push``: the values become names of the rank's ``__main__``."""
+    sys.modules["__main__"].__dict__.update(values)
+
+
+def _torch_groups_in_use() -> bool:
+    """Whether this rank made a process group (a session without one never imports torch here)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and dist.is_available() and dist.is_initialized()
+
+
+def count_collectives():
+    """Run on ranks after a cell ended abnormally: ``(re-formable, {group: collectives issued},
+    models to reset (DDP ones left mid-reduction, FSDP2 roots), DDP models' fingerprints)``, or None
+    without a process group.
+    Equal counts on every rank: the groups are still in step."""
+    if not _torch_groups_in_use():
+        return None
+    from nbdist.worker import model_reset as models
+    from nbdist.worker import reformable_groups
+
+    return (bool(reformable_groups.live_groups()), reformable_groups.count_collectives(),
+            models.count_unfinished_ddp() + models.count_fsdp_roots(), models.fingerprint_ddp_models())
+
+
+def reset_models() -> int:
+    """Run on every rank alike when a DDP backward or an FSDP2 step may have been stopped half-way
+    (see :mod:`nbdist.worker.model_reset`)."""
+    from nbdist.worker import model_reset as models
+
+    return sum(models.reset_models().values())
+
+
+def release_groups() -> None:
+    """Drop this rank's group connections (see :mod:`nbdist.worker.reformable_groups`)."""
+    if _torch_groups_in_use():
+        from nbdist.worker import reformable_groups
+
+        reformable_groups.release_groups()
+
+
+def reform_groups(generation: int) -> dict:
+    """Run on every rank to re-form the groups in place under ``generation``."""
+    from nbdist.worker import reformable_groups
+
+    return reformable_groups.reform_groups(generation)
+
+
+def get_name(name: str):
+    """Run on ranks by ``Session.pull``: a name of the rank's ``__main__``."""
+    main = sys.modules["__main__"].__dict__
+    if name not in main:
+        raise NameError(f"name {name!r} is not defined on this rank")
+    return main[name]
