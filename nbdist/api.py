@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import signal
 
-from nbdist.run import teardown
 from nbdist.errors import LaunchConfigError
 from nbdist.options import BACKENDS, WorldOptions, default_nprocs
 from nbdist.protocol.world import detect_world
+from nbdist.run import teardown
+from nbdist.run.processes import MarkedProcess, find_marked
 
 __all__ = ["launch", "ps", "kill", "default_nprocs", "BACKENDS"]
 
@@ -117,37 +118,48 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     return run.wait()
 
 
-def ps(run_id: str | None = None) -> list[teardown.MarkedProcess]:
+def ps(run_id: str | None = None) -> list[MarkedProcess]:
     """Live processes of this user that carry a run's marker: leftovers of this or any kernel.
+
+    Each one says whose it is (``p.whose()``: this kernel, another live kernel, or orphaned).
 
     Examples
     --------
     >>> for p in nbdist.ps():
     ...     print(p.run_id, p.rank, p.pid)
     """
-    return teardown.find_marked(run_id)
+    return find_marked(run_id)
 
 
-def kill(run_id: str | None = None, timeout: float = 3.0) -> int:
-    """Stop the processes of one run (or of every run) and return how many were stopped.
+def kill(run_id: str | None = None, timeout: float = 3.0, all: bool = False) -> int:  # noqa: A002
+    """Stop leftover processes and return how many were stopped.
 
+    By default: this kernel's runs and sessions, and orphans (processes whose kernel is gone);
+    another live kernel's runs only by their ``run_id`` or with ``all=True``. A live kernel's warm
+    template is not a run: only its run id ends it (``%dist_warm --off`` retires this kernel's).
     Only processes of this user that carry the marker are touched; never anything by name.
 
     Examples
     --------
-    >>> nbdist.kill()          # every leftover of every run
+    >>> nbdist.kill()                  # this kernel's runs and every orphan
     3
+    >>> nbdist.kill("20991231-120000-abcdef")   # one run, whoever's it is
     """
     from nbdist.run.state import _LIVE_RUNS
 
-    found = teardown.find_marked(run_id)
+    def in_scope(p) -> bool:
+        if run_id is not None or p.orphaned:
+            return True
+        return not p.is_template and (all or p.mine)
+
+    found = [p for p in find_marked(run_id) if in_scope(p)]
     stopped = 0
     for run in list(_LIVE_RUNS):  # runs of this kernel: stop them through their Run, which reaps
         if run_id in (None, run.run_id) and not run.done:
             mine = [p for p in found if p.run_id == run.run_id]
             report = run.kill()
             stopped += len(mine) - len(report.survivors) if report else len(mine)
-    left = [p for p in teardown.find_marked(run_id)]
+    left = [p for p in find_marked(run_id) if in_scope(p)]
     for rid in sorted({p.run_id for p in left}):
         procs = [p for p in left if p.run_id == rid]
         leaders = [p.pid for p in procs if p.rank is not None]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "LaunchConfigError",
+    "UntrustedRunsRoot",
     "RankFailure",
     "WorkerFailedError",
     "RunTimeoutError",
@@ -15,11 +16,17 @@ __all__ = [
     "SessionLostError",
     "describe_exitcode",
     "format_rank_set",
+    "root_cause_rank",
 ]
 
 
 class LaunchConfigError(ValueError):
     """Bad input to ``launch`` or ``%%distributed``, raised before any process starts."""
+
+
+class UntrustedRunsRoot(LaunchConfigError, PermissionError):
+    """The folder for run dirs could let another user swap a payload (a symlink, a folder others can
+    write): refused in one line that says what to do, before anything is written."""
 
 
 def describe_exitcode(exitcode: int | None) -> tuple[int | None, str | None]:
@@ -84,6 +91,14 @@ class RankFailure:
         return f"{how} (pid {self.pid}, exit code {self.exitcode})"
 
 
+def root_cause_rank(failures: dict[int, RankFailure]) -> int | None:
+    """The first rank to fail; a rank that only lost its peers is never it while another failed."""
+    if not failures:
+        return None
+    primary = [f for f in failures.values() if not f.secondary] or list(failures.values())
+    return min(primary, key=lambda f: (f.time, f.rank)).rank
+
+
 def _group_tracebacks(failures: dict[int, RankFailure]) -> list[tuple[list[int], RankFailure]]:
     """Identical tracebacks (or identical deaths) from several ranks are shown once."""
     groups: dict[str, tuple[list[int], RankFailure]] = {}
@@ -128,10 +143,7 @@ class WorkerFailedError(RuntimeError):
         super().__init__(self._compose())
 
     def _root_cause_rank(self) -> int | None:
-        if not self.failures:
-            return None
-        primary = [f for f in self.failures.values() if not f.secondary] or list(self.failures.values())
-        return min(primary, key=lambda f: (f.time, f.rank)).rank
+        return root_cause_rank(self.failures)
 
     @property
     def root_cause(self) -> RankFailure | None:
@@ -244,12 +256,45 @@ class SessionLostError(RuntimeError):
     The whole tree was stopped and the ranks' state is lost. ``Session.restart()`` (or
     ``%dist_restart``) brings up new ranks. ``cause`` is the session run's own error, naming the
     rank that died and how, when there is one.
+
+    Attributes
+    ----------
+    reason : str
+        What happened, and what to do (said once).
+    failures : dict[int, RankFailure]
+        What the ranks of the cell that was running said, with how the lost rank ended.
+    rank : int or None
+        The root cause among them: the first rank to fail, never one that only lost its peers.
     """
 
-    def __init__(self, reason: str, cause=None):
+    def __init__(self, reason: str, cause=None, failures=None):
         self.reason = reason
         self.cause = cause
-        super().__init__(reason)
+        self.failures = {**dict(getattr(cause, "failures", None) or {}), **dict(failures or {})}
+        self.rank = root_cause_rank(self.failures)
+        super().__init__(self._compose())
+
+    @property
+    def root_cause(self) -> RankFailure | None:
+        return self.failures.get(self.rank) if self.rank is not None else None
+
+    def _compose(self) -> str:
+        lines = [self.reason]
+        root = self.root_cause
+        if root is not None and f"rank {root.rank} failed first" not in self.reason:
+            lines.append(f"rank {root.rank} failed first: {root.describe()}")
+        others = sorted(r for r in self.failures if r != self.rank)
+        consequences = [r for r in others if self.failures[r].secondary]
+        if consequences:
+            lines.append(f"then {format_rank_set(consequences)} lost {'its' if len(consequences) == 1 else 'their'} "
+                         f"peer")
+        if set(others) - set(consequences):
+            lines.append(f"also failed: {format_rank_set(set(others) - set(consequences))}")
+        if root is not None and root.traceback:
+            lines.append(f"--- traceback from rank {root.rank} ---")
+            lines.append((root.user_traceback or root.traceback).rstrip())
+        return "\n".join(lines)
 
     def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[31mSessionLostError\x1b[0m: {self.reason}"]
+        lines = self._compose().split("\n")
+        return [f"\x1b[31mSessionLostError\x1b[0m: {lines[0]}", *lines[1:]]

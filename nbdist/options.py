@@ -101,8 +101,8 @@ class WorldOptions:
     def check(self) -> WorldOptions:
         """Raise LaunchConfigError (one line) for what can't work; return self. Starts nothing."""
         from nbdist.launchers import ENGINES, check_launcher_name
-        from nbdist.launchers.spawn import START_METHODS
         from nbdist.launchers.rendezvous import check_dist_url
+        from nbdist.launchers.spawn import START_METHODS
 
         n = self._name
         if self.nprocs is not None and not _is_int(self.nprocs, 1):

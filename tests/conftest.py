@@ -129,6 +129,16 @@ def slurm(slurm_cluster, monkeypatch):
     return slurm_cluster
 
 
+def default_sigint() -> None:
+    """In a child before exec: SIGINT back to its default, so Python turns it into KeyboardInterrupt.
+
+    The test suite may itself run with SIGINT ignored (a background job of a non-interactive shell,
+    nohup, some CI agents), and an ignored signal stays ignored across exec: a test that sends
+    SIGINT sets the disposition it relies on in what it starts.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture
 def run_script(tmp_path):
     """Write a Python script and return a function that starts it (Popen, its own session)."""
@@ -137,6 +147,7 @@ def run_script(tmp_path):
         path = tmp_path / f"script_{time.monotonic_ns()}.py"
         path.write_text(textwrap.dedent(source))
         full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        popen_kw.setdefault("preexec_fn", default_sigint)
         return subprocess.Popen(
             [sys.executable, str(path), *args],
             stdout=subprocess.PIPE,

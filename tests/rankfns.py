@@ -169,3 +169,18 @@ KERNEL_SIDE = ("nbdist.frontend", "nbdist.api", "nbdist.options", "nbdist.sessio
 def kernel_side_modules():
     """The kernel side's modules (and IPython's) loaded in this rank as its payload runs: none."""
     return sorted(m for m in sys.modules if m.startswith(KERNEL_SIDE) or m.split(".")[0] in ("IPython", "ipywidgets"))
+
+
+def value_only_ranks_can_load(module_dir):
+    """Return an object of a class whose module only the ranks can import (a folder the kernel lacks)."""
+    sys.path.insert(0, module_dir)
+    import only_on_ranks
+
+    return only_on_ranks.Thing()
+
+
+def spin(seconds=120):
+    """Busy in Python until stopped: a rank a SIGINT turns into KeyboardInterrupt at once."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass

@@ -15,11 +15,10 @@ import subprocess
 import sys
 import urllib.request
 
+import conftest
 import nbformat
 import psutil
 import pytest
-
-import conftest
 from conftest import ROOT, marked_pids, wait_for
 
 pytestmark = pytest.mark.browser

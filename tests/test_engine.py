@@ -9,11 +9,11 @@ import time
 
 import psutil
 import pytest
+import rankfns
+from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 
 import nbdist
-import rankfns
 from nbdist.errors import format_rank_set
-from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 
 # Every test twice: ranks spawned, and ranks forked from the warm template (NBDIST_START_METHOD).
 pytestmark = pytest.mark.usefixtures("start_method")
@@ -53,7 +53,6 @@ def test_a_rank_that_returns_runs_its_atexit_handlers_and_exits_cleanly(start_me
 
     def register(path):
         import atexit
-
         import sys
 
         handle = open(os.path.join(path, f"log.{nbdist.rank()}"), "w")

@@ -10,12 +10,12 @@ import threading
 
 import psutil
 import pytest
+from conftest import KEPT_TEMPLATES, ROOT, live_descendants, marked_pids, wait_for
 
 import nbdist
 from nbdist.errors import LaunchConfigError
 from nbdist.options import WorldOptions
 from nbdist.protocol.world import detect_world
-from conftest import KEPT_TEMPLATES, ROOT, live_descendants, marked_pids, wait_for
 
 
 def _children():
@@ -226,9 +226,9 @@ def test_the_reformable_group_connects_nccl_for_cuda_and_aborts_it_on_release(mo
     import datetime
 
     import torch
+    import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
     from torch._C._distributed_c10d import ProcessGroup, ProcessGroupGloo
-    import torch._C._distributed_c10d as c10d
 
     from nbdist.worker import reformable_groups as reform
 

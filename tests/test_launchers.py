@@ -14,10 +14,10 @@ import sys
 import time
 
 import pytest
-
-import nbdist
 import rankfns
 from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
+
+import nbdist
 from nbdist.launchers.mpirun import MpirunLauncher
 from nbdist.options import WorldOptions
 from nbdist.run.start import start_run
@@ -119,6 +119,48 @@ def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(en
         if engine["launcher"] == "torchrun":
             assert "killed by SIGSEGV" in str(info.value), str(info.value)
     wait_for(lambda: not marked_pids(sid), 15, what=f"the {engine['launcher']} session's tree to go")
+
+
+@pytest.mark.parametrize("what", ["session", "run"])
+def test_a_killed_kernel_leaves_nothing_of_the_engine_within_3_s(engine, run_script, what):
+    """SIGKILL a kernel whose session cell is busy (the engine started from the session's own
+    thread), or whose run a thread other than the main one started: the engine and every rank are
+    gone within 3 s (the engine's PDEATHSIG from the forker thread, the ranks' own watch on the kernel)."""
+    proc = run_script(
+        f"""
+        import sys, threading, time, nbdist
+        sys.path.insert(0, {HERE!r})
+        import rankfns
+        engine = {engine!r}
+        if {what!r} == "session":
+            s = nbdist.Session(nprocs=2, **engine)
+            s.wait_ready(120)
+            cell = s.execute("import time\\nwhile True:\\n    time.sleep(0.01)", join=False)
+            while len(cell.offsets) < 2:
+                time.sleep(0.05)
+            marker = s.session_id
+        else:
+            runs = []
+            starter = threading.Thread(target=lambda: runs.append(nbdist.launch(
+                rankfns.hang, nprocs=2, join=False, init_process_group=False, **engine)))
+            starter.start()
+            starter.join()
+            while len(runs[0].pids) < 2:
+                time.sleep(0.05)
+            marker = runs[0].run_id
+        print("READY", marker, flush=True)
+        time.sleep(600)
+        """
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), line + proc.stdout.read()
+    marker = line.split()[1]
+    assert len(marked_pids(marker)) >= 3, "the engine and its ranks"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    t0 = time.monotonic()
+    wait_for(lambda: not marked_pids(marker), 3.0, what=f"the {engine['launcher']} {what}'s engine and ranks to go")
+    print(f"{engine['launcher']} {what}: kernel SIGKILL -> nothing left in {time.monotonic() - t0:.2f} s")
 
 
 # ---- torchrun across kernels ------------------------------------------------------------------
@@ -343,9 +385,11 @@ def test_a_kernel_and_a_torchrun_started_by_hand_form_one_world(tmp_path):
             kernel.wait()
     node0 = {int(k): v for k, v in json.loads(out.split("RESULT ", 1)[1]).items()}
     assert sorted(node0) == [0, 1] and all(v["world_size"] == 4 and v["sum"] == 10.0 for v in node0.values())
-    # The hand-started node's ranks wrote their results into the shared run dir, as global ranks 2 and 3.
+    # The hand-started node's ranks wrote their results into the shared run dir, as global ranks 2 and 3
+    # (the kernel's own, 0 and 1, it read and removed with the payload: the logs are what stays).
     run_dir = next(shared.iterdir())
-    assert sorted(p.name for p in run_dir.glob("result.*.pkl")) == [f"result.{r}.pkl" for r in range(4)]
+    assert sorted(p.name for p in run_dir.glob("result.*.pkl")) == ["result.2.pkl", "result.3.pkl"]
+    assert not (run_dir / "payload.pkl").exists() and (run_dir / "rank2.stderr").exists()
 
 
 def test_two_torchrun_kernels_across_network_namespaces(tmp_path):
@@ -430,8 +474,9 @@ def test_output_of_remote_ranks_streams_over_the_authenticated_channel(tmp_path,
     (tmp_path / "go").touch()
     assert run.wait(timeout=60) == {0: 0, 1: 1}
     for rank, out in run.outputs.items():
-        lines = [line for _, line in out.lines]
-        assert lines == [f"line {i} from rank {rank}" for i in range(20)] + [f"to stderr from rank {rank}"]
+        # Each stream in its order (between the two streams the mirror keeps no order, nor does a terminal).
+        assert [line for s, line in out.lines if s == "stdout"] == [f"line {i} from rank {rank}" for i in range(20)]
+        assert [line for s, line in out.lines if s == "stderr"] == [f"to stderr from rank {rank}"]
         sizes = sum(os.path.getsize(os.path.join(run.run_dir, f"rank{rank}.{s}")) for s in ("stdout", "stderr"))
         assert out.bytes_from_channel == sizes, "the log files hold exactly what was streamed"
 

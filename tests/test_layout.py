@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import rankfns
 
 import nbdist
-import rankfns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

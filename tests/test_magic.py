@@ -7,7 +7,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import marked_pids, nbdist_kernel, wait_for
 from kernel_client import Kernel
 

@@ -6,9 +6,9 @@ import os
 
 import nbformat
 import pytest
+from conftest import ROOT, marked_pids
 from nbclient.exceptions import CellExecutionError
 
-from conftest import ROOT, marked_pids
 from nbdist.frontend.notebook_runner import execute_notebook
 
 

@@ -14,9 +14,9 @@ import time
 
 import psutil
 import pytest
+from conftest import marked_pids, wait_for
 
 import nbdist
-from conftest import marked_pids, wait_for
 from nbdist.errors import RunStoppedError, SessionLostError, WorkerFailedError
 
 pytestmark = pytest.mark.usefixtures("start_method")
@@ -277,6 +277,28 @@ def test_an_fsdp2_loop_stopped_anywhere_trains_on(session):
         after = session.execute("[fsdp_step() for _ in range(3)][-1]", timeout=60)
     assert after[0] < before, (before, after)
     assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
+
+
+def test_fsdp2_trains_on_after_a_stop_inside_its_own_unshard_loop(session):
+    """The stop is a KeyboardInterrupt at any bytecode: here inside FSDP2's loop that unshards a
+    group's parameters one by one, after the first and before the group records the change. The
+    reset puts every parameter back to its shard, whatever its group believes."""
+    session.execute(FSDP_MODEL)
+    before = session.execute("fsdp_step()")[0]
+    cell = ("from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam\n"
+            "real, calls = FSDPParam.to_unsharded, []\n"
+            "def interrupted_midway(self):\n"
+            "    calls.append(self)\n"
+            "    if len(calls) == 2:  # the group's second parameter: the first is unsharded already\n"
+            "        FSDPParam.to_unsharded = real\n"
+            "        raise KeyboardInterrupt\n"
+            "    return real(self)\n"
+            "FSDPParam.to_unsharded = interrupted_midway\n"
+            "fsdp_step()")
+    with pytest.raises(RunStoppedError, match="idle again, their state kept"):
+        session.execute(cell, timeout=60)
+    after = session.execute("[fsdp_step() for _ in range(5)][-1]", timeout=60)
+    assert after[0] < before, (before, after)
 
 
 def test_four_ranks_in_a_ring_all_reduce_are_all_released_when_one_rank_is_missing(tmp_path):

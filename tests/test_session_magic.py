@@ -8,7 +8,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import marked_pids, nbdist_kernel, wait_for
 
 
@@ -137,7 +136,9 @@ def test_a_dying_rank_is_said_and_restart_brings_the_session_back(kernel):
     assert res.status == "error" and "SessionLostError" in res.error_text and "SIGKILL" in res.error_text
     wait_for(lambda: not marked_pids(sid), 3, what="the broken session's tree to go")
     res = kernel.run("%%distributed --view text\n1")
-    assert res.status == "error" and "%dist_restart" in res.error_text + res.stderr
+    said = next(line for line in res.stderr.splitlines() if "UsageError" in line)  # the cell's one line
+    assert res.status == "error" and said.count("%dist_restart") == 1 and "restart()" not in said, said
+    assert said.count("failed first") == 1 and "rank 1 failed first: killed by SIGKILL" in said, said
     assert kernel.run("%dist_restart").status == "ok"
     res = kernel.run("%%distributed --view text\nimport torch.distributed as dist\ndist.get_world_size()")
     assert res.status == "ok" and res.result == "2", res.error_text
@@ -187,3 +188,24 @@ def test_kernel_restart_and_closing_the_notebook_leave_no_session_rank(kernel, h
         kernel.km.shutdown_kernel(now=False)  # closing the notebook: a polite shutdown, atexit runs
     wait_for(lambda: not marked_pids(sid), 3, what=f"the session's ranks to go with a kernel {how}")
     print(f"kernel {how} -> session gone in {time.monotonic() - t0:.2f} s")
+
+
+def test_dist_kill_in_one_kernel_leaves_another_kernels_session_alone(kernel):
+    """Two notebooks, a session each: %dist_ps in one says whose each process is, and %dist_kill
+    there stops its own session only; the other notebook's session keeps its state."""
+    with nbdist_kernel("warm") as other:
+        assert other.run("%dist_start -n 2").status == "ok"
+        assert other.run("%%distributed --view text\nkept = 41\nkept + 1").result == "42"
+        theirs = _session_id(other)
+        kernel.run("%dist_start -n 2")
+        kernel.run("%%distributed --view text\nx = 1")
+        mine = _session_id(kernel)
+        res = kernel.run("%dist_ps")
+        assert mine in res.stdout and theirs in res.stdout, res.stdout
+        assert f"kernel pid {other.pid}" in res.stdout and "this kernel" in res.stdout, res.stdout
+        res = kernel.run("%dist_kill")
+        assert res.status == "ok" and "stopped 2 processes" in res.stdout, res.stdout + res.error_text
+        wait_for(lambda: not marked_pids(mine), 5, what="this kernel's session to go")
+        assert len(marked_pids(theirs)) >= 2, "the other notebook's session is alone"
+        assert other.run("%%distributed --view text\nkept").result == "41"
+        other.run("%dist_stop")

@@ -59,9 +59,9 @@ def test_terminal_ipython_gets_the_text_view(tmp_path):
 def test_a_flood_ends_with_the_last_line_in_view_and_bounded_kernel_memory():
     """2 ranks print 300,000 lines of 60 characters each, faster than the kernel reads them."""
     import psutil
+    import rankfns
 
     import nbdist
-    import rankfns
     from nbdist.frontend.views import WidgetView
 
     me = psutil.Process()

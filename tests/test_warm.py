@@ -15,10 +15,10 @@ import time
 
 import psutil
 import pytest
-
-import nbdist
 import rankfns
 from conftest import KEPT_TEMPLATES, marked_pids, wait_for
+
+import nbdist
 from nbdist.warmstart import handle as warmstart
 
 

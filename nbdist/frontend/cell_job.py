@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
+from nbdist.errors import LaunchConfigError
+from nbdist.frontend.cell_source import CellSource, find_read_names
+from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
 from nbdist.protocol.rundir import PULL_FILE
-from nbdist.frontend.cell_source import CellSource, find_read_names
 from nbdist.worker.cell import run_cell
-from nbdist.errors import LaunchConfigError
-from nbdist.options import WorldOptions
 
 __all__ = ["CellJob", "prepare_cell", "write_cell", "start_cell", "finish_cell", "run_attached_cell", "attached_world",
            "world_arguments", "world_options", "split_names"]
@@ -115,7 +115,10 @@ def prepare_cell(shell, args, line: str, cell: str) -> CellJob:
         raise UsageError(str(exc)) from None
     source = CellSource(line, cell)
     run_id = rundir.new_run_id()
-    run_dir = rundir.create_run_dir(run_id, args.run_dir)
+    try:
+        run_dir = rundir.create_run_dir(run_id, args.run_dir)
+    except LaunchConfigError as exc:  # a runs folder others could write to, say
+        raise UsageError(str(exc)) from None
     try:
         return write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull)
     except BaseException:
@@ -183,11 +186,14 @@ def finish_cell(shell, job: CellJob, run):
     else:
         results = run.wait()
     if job.pull:
+        path = os.path.join(job.run_dir, PULL_FILE)
         try:
-            with open(os.path.join(job.run_dir, PULL_FILE), "rb") as fh:
+            with open(path, "rb") as fh:
                 pulled = pickle.load(fh)
         except FileNotFoundError:
             pulled = {"values": {}, "missing": job.pull}
+        else:
+            os.unlink(path)  # the values are the notebook's now: the run dir keeps its logs only
         for name, blob in pulled["values"].items():
             shell.user_ns[name] = pickle.loads(blob)
         if pulled["missing"]:

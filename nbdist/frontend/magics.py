@@ -24,11 +24,13 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from nbdist.protocol import rundir
 from nbdist.api import kill, ps
+from nbdist.frontend.cell_job import (attached_world, finish_cell, prepare_cell, run_attached_cell, start_cell,
+                                      world_arguments, world_options)
 from nbdist.frontend.cli import describe_template, format_table, sort_procs
-from nbdist.frontend.cell_job import attached_world, finish_cell, prepare_cell, run_attached_cell, start_cell, world_arguments, world_options
 from nbdist.frontend.views import FLUSH_INTERVAL, make_view
+from nbdist.protocol import rundir
+from nbdist.run.retention import describe_retention
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
 
@@ -46,6 +48,8 @@ def _show(view) -> None:
 def _stop_and_raise(run, view):
     run.interrupt()
     view.flush(final=True)
+    if run.error is None:  # it finished as the stop came: the stop is still what the user asked for
+        raise KeyboardInterrupt
     raise run.error from None
 
 
@@ -172,6 +176,8 @@ class DistributedMagics(Magics):
 
     @magic_arguments()
     @world_arguments
+    @argument("--start-timeout", type=float, default=None,
+              help="seconds the ranks may take to come up (default 120, or 4 per rank); then it says which did not")
     @line_magic
     def dist_start(self, line):
         """Start the notebook's session: ranks that live across cells; ``%%distributed`` cells then run in it.
@@ -187,7 +193,8 @@ class DistributedMagics(Magics):
         """
         from nbdist.frontend.session_magics import start_session
 
-        start_session(self.shell, world_options(parse_argstring(self.dist_start, line)))
+        args = parse_argstring(self.dist_start, line)
+        start_session(self.shell, world_options(args), start_timeout=args.start_timeout)
 
     @line_magic
     def dist_stop(self, line):
@@ -212,7 +219,8 @@ class DistributedMagics(Magics):
 
     @line_magic
     def dist_ps(self, line):
-        """Show leftover processes of any run (this kernel's or a dead kernel's), with Kill all."""
+        """Show nbdist processes of any run (this kernel's, another's, a dead kernel's), each saying whose,
+        with a button that stops this kernel's runs and the orphans (as ``%dist_kill``)."""
         procs = ps(line.strip() or None)
         if getattr(self.shell, "kernel", None) is None:
             print(format_table(procs))
@@ -220,8 +228,13 @@ class DistributedMagics(Magics):
         import ipywidgets as w
 
         table = w.HTML(_procs_html(procs))
-        button = w.Button(description="Kill all", icon="stop", button_style="danger",
-                          disabled=not procs, layout=w.Layout(width="90px"))
+        # What %dist_kill ends: this kernel's runs and orphans (another live kernel's are listed, not
+        # killed), or the one run named.
+        run_id = line.strip() or None
+        targets = procs if run_id else [p for p in procs if (p.mine and not p.is_template) or p.orphaned]
+        button = w.Button(description="Kill this run" if run_id else "Kill mine and orphans", icon="stop",
+                          button_style="danger", disabled=not targets, layout=w.Layout(width="190px"),
+                          tooltip="Stop this kernel's runs and sessions, and processes whose kernel is gone")
         status = w.HTML()
 
         def on_click(_):
@@ -247,8 +260,10 @@ class DistributedMagics(Magics):
 
         words = line.split()
         if "--off" in words:
-            warm.close_templates()
-            print("nbdist: warm start is off for this kernel until %dist_warm")
+            retired = warm.retire_templates()
+            tail = (f"; the template (pid {retired.pid}) exits once the ranks it forked have ended (live sessions "
+                    f"and runs keep theirs)") if retired is not None else ""
+            print(f"nbdist: warm start is off for this kernel until %dist_warm{tail}")
             return None
         modules = [w for w in words if not w.startswith("-")]
         bad = [m for m in modules if not all(_IDENT.match(part) for part in m.split("."))]
@@ -264,8 +279,16 @@ class DistributedMagics(Magics):
 
     @line_magic
     def dist_kill(self, line):
-        """``%dist_kill [RUN_ID]``: stop the processes of one run, or of every run."""
-        n = kill(line.strip() or None)
+        """``%dist_kill [--all] [RUN_ID]``: stop this kernel's runs and orphans, one run, or everything.
+
+        Another live notebook's session is left alone unless named by its run id or ``--all``.
+        """
+        words = line.split()
+        every = "--all" in words
+        named = [w for w in words if w != "--all"]
+        if len(named) > 1 or any(w.startswith("-") for w in named):
+            raise UsageError("%dist_kill takes [--all] [RUN_ID]")
+        n = kill(named[0] if named else None, all=every)
         print(f"stopped {n} process{'es' if n != 1 else ''}")
 
     @line_magic
@@ -276,12 +299,12 @@ class DistributedMagics(Magics):
         if parts and not parts[0].isdigit():
             run_dir = os.path.join(rundir.choose_runs_root(), parts.pop(0))
         elif run is not None:
-            run_dir = run.run_dir
+            run_dir = run.log_dir  # a session cell's logs are its session's
         else:
             raise UsageError("no run yet: give a RUN_ID (see %dist_ps)")
         if not os.path.isdir(run_dir):
             raise UsageError(f"no run dir at {run_dir}")
-        ranks = sorted(rundir.read_pids(run_dir)) or [0]
+        ranks = sorted(rundir.read_rank_pids(run_dir)) or [0]
         if parts:
             ranks = [int(parts[0])]
         for rank in ranks:
@@ -290,6 +313,7 @@ class DistributedMagics(Magics):
                 if os.path.exists(path) and os.path.getsize(path):
                     with open(path, encoding="utf-8", errors="replace") as fh:
                         print(f"===== rank {rank} {stream} ({path})\n{fh.read()}", end="")
+        print(f"nbdist: {describe_retention(os.path.dirname(run_dir))}")
 
 
 def _procs_html(procs) -> str:
@@ -299,11 +323,11 @@ def _procs_html(procs) -> str:
     if not ranks:
         return f"<span style='font-size:12px'>no nbdist ranks are running</span>{notes}"
     head = "".join(f"<th style='text-align:left;padding:2px 10px'>{h}</th>"
-                   for h in ("run id", "rank", "pid", "age", "memory", "command"))
+                   for h in ("run id", "rank", "pid", "age", "memory", "whose", "command"))
     rows = []
     for p in sort_procs(ranks):
         cells = (p.run_id, "-" if p.rank is None else p.rank, p.pid, f"{p.age:.0f} s",
-                 f"{p.rss / 2**20:.0f} MiB", p.cmdline[:70])
+                 f"{p.rss / 2**20:.0f} MiB", p.whose(), p.cmdline[:70])
         rows.append("<tr>" + "".join(f"<td style='padding:2px 10px'><code>{html.escape(str(c))}</code></td>"
                                      for c in cells) + "</tr>")
     return f"<table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}</table>{notes}"

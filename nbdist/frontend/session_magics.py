@@ -13,16 +13,17 @@ import time
 
 from IPython.core.error import UsageError
 
-from nbdist.protocol import rundir
-from nbdist.frontend.cell_source import CellSource, find_defined_names
-from nbdist.worker.cell import run_cell
 from nbdist.errors import LaunchConfigError, SessionLostError
+from nbdist.frontend.cell_source import CellSource, find_defined_names
+from nbdist.protocol import rundir
 from nbdist.session.handle import Session
+from nbdist.worker.cell import run_cell
 
 __all__ = ["live_session", "start_session", "stop_session", "restart_session", "show_stacks",
            "launch_session_cell"]
 
 _SESSION: Session | None = None
+MAGIC_RESTART_HINT = "%dist_restart brings new ranks"
 # Flags whose value in a cell must match the live session's (None: the flag's default, "any").
 _WORLD_FLAGS = {"nprocs": None, "launcher": "auto", "backend": "auto", "nnodes": 1, "node_rank": 0}
 
@@ -32,15 +33,16 @@ def live_session() -> Session | None:
     return _SESSION if _SESSION is not None and _SESSION.status != "closed" else None
 
 
-def start_session(shell, options) -> Session:
+def start_session(shell, options, start_timeout=None) -> Session:
     """``%dist_start``: start the ranks in the background and show them come up."""
     global _SESSION
     if live_session() is not None:
         raise UsageError(f"a session is live already ({_describe(_SESSION)}): %dist_stop or %dist_restart first")
     try:
-        _SESSION = Session(**options.session_kwargs())
+        _SESSION = Session(**options.session_kwargs(), start_timeout=start_timeout)
     except LaunchConfigError as exc:
         raise UsageError(str(exc)) from None
+    _SESSION.restart_hint = MAGIC_RESTART_HINT
     _show_coming_up(shell, _SESSION)
     return _SESSION
 
@@ -168,26 +170,26 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     ranks = _parse_ranks(args.ranks)
     push, pull = split_names(args.push, "--push"), split_names(args.pull, "--pull")
     options = world_options(args)
-    if session.status == "starting":  # the cell waits for the ranks, and shows them come up meanwhile
-        print(f"nbdist: this cell waits for session {session.session_id}'s ranks to come up "
-              f"({len(session.pids)} of {session.nprocs} up so far)")
+    inc = session.incarnation  # the ranks this cell goes to, whatever a restart does meanwhile
+    if inc.status == "starting":  # the cell waits for the ranks, and shows them come up meanwhile
+        print(f"nbdist: this cell waits for session {inc.session_id}'s ranks to come up "
+              f"({len(inc.pids)} of {inc.nprocs} up so far)")
         _follow_ranks(shell, session)
     try:
-        targets = session.prepare(ranks)  # a cell sent while the session starts waits for it
+        targets = inc.prepare(ranks)  # a cell sent while the session starts waits for it
     except SessionLostError as exc:
-        raise UsageError(f"{exc.reason}; %dist_restart brings new ranks, --fresh runs this cell on one-shot ranks") \
-            from None
+        raise UsageError(f"{exc.reason} (--fresh runs this cell on one-shot ranks)") from None
     except (LaunchConfigError, RuntimeError) as exc:
         raise UsageError(str(exc)) from None
-    cell_dir = session.new_cell_dir()
+    cell_dir = inc.new_cell_dir()
     try:
-        job = write_cell(shell, args, options, None, CellSource(line, cell), f"{session.session_id}", cell_dir, push,
-                         pull, on_ranks=session.defined_names)
+        job = write_cell(shell, args, options, None, CellSource(line, cell), f"{inc.session_id}", cell_dir, push,
+                         pull, on_ranks=inc.defined_names)
         rundir.write_payload(cell_dir, run_cell, (job.cell_file, job.pushed, job.modules, job.pull), {})
-        handle = session.start_cell(cell_dir, targets, args.timeout)
+        handle = inc.start_cell(cell_dir, targets, args.timeout)
     except BaseException:
         rundir.discard_run_dir(cell_dir)
         raise
-    session.defined_names |= find_defined_names(job.tree)
+    inc.defined_names |= find_defined_names(job.tree)
     shell.user_ns["_dist"] = handle
     return job, handle

@@ -16,8 +16,7 @@ import time
 import psutil
 
 from nbdist.errors import RunStoppedError, WorkerFailedError
-from nbdist.run.events import RunEvent, TERMINAL
-from nbdist.run.events import DisplayEvent, OutputChunk
+from nbdist.run.events import TERMINAL, DisplayEvent, OutputChunk, RunEvent
 
 __all__ = ["TextView", "WidgetView", "make_view", "format_report_line"]
 

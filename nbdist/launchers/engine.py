@@ -19,9 +19,10 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from nbdist.launchers.forker import is_forker_thread
+from nbdist.launchers.processes import is_gone
 from nbdist.protocol import rundir
 from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV
-from nbdist.launchers.processes import is_gone
 from nbdist.protocol.signals import set_pdeathsig
 
 __all__ = ["EngineLauncher", "python_path_for_ranks", "tail_engine_log"]
@@ -67,7 +68,7 @@ class EngineLauncher:
         self._engine: subprocess.Popen | None = None
         self._run_dir: str | None = None
         self._nprocs = 0
-        self._pids: dict[int, int] = {}
+        self._where: dict[int, rundir.RankPid] = {}  # slot -> pid and host, as each rank registered
         self._codes: dict[int, int | None] = {}
 
     # ---- what a subclass provides -------------------------------------------------------
@@ -94,10 +95,11 @@ class EngineLauncher:
         child_env["PYTHONPATH"] = python_path_for_ranks()
         self._run_dir, self._nprocs = run_dir, nprocs
         self._codes = dict.fromkeys(range(nprocs))
-        # PDEATHSIG follows the thread that forks: only the main thread lives as long as the kernel.
-        # SIGTERM, so that the engine takes down the ranks it started before it goes.
+        # PDEATHSIG follows the thread that forks: the forker thread (nbdist.launchers.forker) or the
+        # main thread live as long as the kernel. SIGTERM, so that the engine takes down the ranks
+        # it started before it goes (and they watch the kernel themselves too).
         die_with_parent = None
-        if threading.current_thread() is threading.main_thread():
+        if is_forker_thread() or threading.current_thread() is threading.main_thread():
             die_with_parent = functools.partial(set_pdeathsig, signal.SIGTERM)
         log = os.open(os.path.join(run_dir, ENGINE_LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
@@ -106,15 +108,22 @@ class EngineLauncher:
         finally:
             os.close(log)
 
+    def _registered(self) -> dict[int, rundir.RankPid]:
+        """slot -> where each rank that registered so far runs (its pid and host)."""
+        if self._run_dir and len(self._where) < self._nprocs:
+            offset = self.node_rank * self._nprocs
+            self._where = {r - offset: w for r, w in rundir.read_rank_pids(self._run_dir).items()
+                           if 0 <= r - offset < self._nprocs}
+        return self._where
+
     @property
     def pids(self) -> dict[int, int]:
-        """slot -> pid of the ranks that have registered so far."""
-        if self._run_dir and len(self._pids) < self._nprocs:
-            offset = self.node_rank * self._nprocs
-            self._pids = {
-                r - offset: p for r, p in rundir.read_pids(self._run_dir).items() if 0 <= r - offset < self._nprocs
-            }
-        return dict(self._pids)
+        """slot -> pid of the ranks that have registered so far (on whichever host)."""
+        return {slot: where.pid for slot, where in self._registered().items()}
+
+    def remote_slots(self) -> set[int]:
+        """Slots whose rank runs on another machine: their pids are never looked up or signalled here."""
+        return {slot for slot, where in self._registered().items() if not where.local}
 
     def sentinels(self) -> list[int]:
         return []
@@ -131,18 +140,27 @@ class EngineLauncher:
         """Let an engine that reports its ranks' exits (torchrun) notice a failure and end by itself."""
 
     def poll(self) -> dict[int, int | None]:
-        """slot -> exit code as far as the run dir tells it: 0 with a result, 1 with an error."""
+        """slot -> exit code as far as the run dir tells it: 0 with a result, 1 with an error.
+
+        A local rank has exited when its pid is gone; a rank on another machine, when it left its
+        result or error (or when the engine ended): its pid is another machine's.
+        """
         engine = None if self._engine is None else self._engine.poll()
         offset = self.node_rank * self._nprocs
-        for slot, pid in self.pids.items():
-            if self._codes[slot] is None and is_gone(pid):
-                ok, _ = rundir.read_result(self._run_dir, offset + slot)
-                self._codes[slot] = 0 if ok else 1
+        for slot, where in self._registered().items():
+            if self._codes[slot] is not None:
+                continue
+            if where.local and is_gone(where.pid):
+                self._codes[slot] = 0 if rundir.has_result(self._run_dir, offset + slot) else 1
+            elif not where.local and rundir.has_result(self._run_dir, offset + slot):
+                self._codes[slot] = 0
+            elif not where.local and rundir.has_error(self._run_dir, offset + slot):
+                self._codes[slot] = 1
         if engine is not None:  # the engine is gone: ranks that never reported died with it
             for slot in self._codes:
                 if self._codes[slot] is None:
-                    pid = self._pids.get(slot)
-                    if pid is None or is_gone(pid):
+                    where = self._where.get(slot)
+                    if where is None or not where.local or is_gone(where.pid):
                         self._codes[slot] = engine if engine != 0 else 1
         return dict(self._codes)
 
@@ -150,9 +168,9 @@ class EngineLauncher:
         return {r: c for r, c in self.poll().items() if c is not None and r not in known}
 
     def leaders(self) -> list[int]:
-        """The engine's session first (it holds every process it started), then live ranks."""
+        """The engine's session first (it holds every process it started), then live local ranks."""
         out = [self._engine.pid] if self._engine is not None and self._engine.poll() is None else []
-        return out + [pid for pid in self.pids.values() if not is_gone(pid)]
+        return out + [w.pid for w in self._registered().values() if w.local and not is_gone(w.pid)]
 
     def engine_log(self) -> str:
         return tail_engine_log(self._run_dir) if self._run_dir else ""

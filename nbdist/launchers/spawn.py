@@ -19,8 +19,8 @@ import signal
 import threading
 from dataclasses import dataclass
 
-from nbdist.launchers.processes import is_gone
 from nbdist.errors import LaunchConfigError
+from nbdist.launchers.processes import is_gone
 from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV, read_pids
 
 __all__ = ["SpawnLauncher", "check_start_method", "START_METHODS"]
@@ -261,6 +261,10 @@ class SpawnLauncher:
                     os.killpg(pid, signal.SIGKILL)
             out[rank] = self.poll()[rank]
         return out
+
+    def remote_slots(self) -> set[int]:
+        """Every rank is this kernel's child, here."""
+        return set()
 
     def leaders(self) -> list[int]:
         """What a stop signals first: every rank's group."""

@@ -8,7 +8,7 @@ Layout (all files 0600 in a 0700 folder, because the payload is code)::
     rank{R}.stdout/.stderr   everything the rank wrote to fd 1 and 2
     result.{R}.pkl       the rank's return value
     error.{R}.json       the rank's exception, formatted
-    pids                 "rank pid" lines, one per rank process
+    pids                 "rank pid host" lines, one per rank process
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ __all__ = [
     "dump_pickle_checked",
     "write_result",
     "read_result",
+    "has_result",
+    "has_error",
     "write_error",
     "read_error",
     "record_pid",
     "read_pids",
+    "read_rank_pids",
+    "RankPid",
     "log_path",
     "PULL_FILE",
     "RUN_ID_ENV",
@@ -109,13 +113,39 @@ def new_run_id() -> str:
 
 
 def choose_runs_root(base: str | None = None) -> str:
-    """The folder under which run dirs live: ``base``, ``$NBDIST_RUN_DIR`` or a private temp folder."""
-    root = base or os.environ.get(RUN_DIR_ENV) or os.path.join(tempfile.gettempdir(), f"nbdist-{os.getuid()}")
-    os.makedirs(root, mode=0o700, exist_ok=True)
-    st = os.stat(root)
+    """The folder under which run dirs live: ``base``, ``$NBDIST_RUN_DIR`` or a private temp folder.
+
+    A run dir holds code that every rank executes (its payload), so the folder above it must be
+    yours alone: not a symlink (someone could point it elsewhere), owned by you, and writable by
+    nobody else (a group-writable folder lets a member rename your run dir and plant a payload).
+    Otherwise :class:`UntrustedRunsRoot` says why, in one line, before anything is written.
+    """
+    import stat
+
+    from nbdist.errors import UntrustedRunsRoot
+
+    given = base or os.environ.get(RUN_DIR_ENV)
+    root = given or os.path.join(tempfile.gettempdir(), f"nbdist-{os.getuid()}")
+    setting = "run_dir=/--run-dir" if base else (RUN_DIR_ENV if given else None)
+    fix = f"; choose a folder of your own ({setting})" if setting else f"; remove it, or set {RUN_DIR_ENV}"
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode):
+        raise UntrustedRunsRoot(f"the runs folder {root} is a symlink, which another user could point elsewhere; "
+                                f"nbdist writes code there that your ranks run{fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedRunsRoot(f"the runs folder {root} is not a folder{fix}")
     # A shared /tmp folder that someone else made first must not become our code drop.
     if st.st_uid != os.getuid():
-        raise PermissionError(f"{root} belongs to uid {st.st_uid}, not to you; set NBDIST_RUN_DIR")
+        raise UntrustedRunsRoot(f"the runs folder {root} belongs to uid {st.st_uid}, not to you{fix}")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "its group" if not st.st_mode & stat.S_IWOTH else "everyone"
+        raise UntrustedRunsRoot(f"the runs folder {root} is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}), "
+                                f"who could replace a run's payload with their own code; make it yours alone "
+                                f"(chmod go-w {root}){fix}")
     return root
 
 
@@ -241,6 +271,16 @@ def read_result(run_dir: str, rank: int):
         return False, None
 
 
+def has_result(run_dir: str, rank: int) -> bool:
+    """Whether the rank left a value (without loading it)."""
+    return os.path.exists(os.path.join(run_dir, f"result.{rank}.pkl"))
+
+
+def has_error(run_dir: str, rank: int) -> bool:
+    """Whether the rank left an error record."""
+    return os.path.exists(os.path.join(run_dir, f"error.{rank}.json"))
+
+
 def write_error(run_dir: str, rank: int, info: dict) -> None:
     write_private(os.path.join(run_dir, f"error.{rank}.json"), json.dumps(info).encode())
 
@@ -254,10 +294,14 @@ def read_error(run_dir: str, rank: int) -> dict | None:
 
 
 def record_pid(run_dir: str, rank: int, pid: int) -> None:
+    """Say that ``rank`` runs as ``pid`` on this host: a pid means nothing without its host (a rank of
+    another machine may share a number with an unrelated process here)."""
+    import socket
+
     # O_APPEND writes of one short line are atomic, so ranks can share the file.
     fd = os.open(os.path.join(run_dir, "pids"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        os.write(fd, f"{rank} {pid}\n".encode())
+        os.write(fd, f"{rank} {pid} {socket.gethostname()}\n".encode())
     finally:
         os.close(fd)
 
@@ -280,15 +324,35 @@ def read_running(run_dir: str) -> set[int]:
         return set()
 
 
-def read_pids(run_dir: str) -> dict[int, int]:
-    """rank -> pid, as the ranks recorded themselves."""
+@dataclass(frozen=True)
+class RankPid:
+    """Where a rank runs: its pid, and the host that pid belongs to."""
+
+    pid: int
+    host: str
+
+    @property
+    def local(self) -> bool:
+        """On this machine: the only pids that may be signalled or looked up here."""
+        import socket
+
+        return self.host in ("", socket.gethostname())
+
+
+def read_rank_pids(run_dir: str) -> dict[int, RankPid]:
+    """rank -> :class:`RankPid`, as the ranks recorded themselves (on any host)."""
     out = {}
     try:
         with open(os.path.join(run_dir, "pids")) as fh:
             for line in fh:
                 parts = line.split()
-                if len(parts) == 2:
-                    out[int(parts[0])] = int(parts[1])
+                if len(parts) in (2, 3) and parts[0].isdigit() and parts[1].isdigit():
+                    out[int(parts[0])] = RankPid(int(parts[1]), parts[2] if len(parts) == 3 else "")
     except (FileNotFoundError, NotADirectoryError):
         pass
     return out
+
+
+def read_pids(run_dir: str) -> dict[int, int]:
+    """rank -> pid of the ranks that run on this machine (the pids this machine may signal)."""
+    return {rank: where.pid for rank, where in read_rank_pids(run_dir).items() if where.local}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 
-__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "set_nodelay", "load_value"]
+__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "set_nodelay", "load_value"]
 
 
 SESSION_KEY_FILE = "session.key"
@@ -32,6 +32,9 @@ def set_nodelay(conn) -> None:
 
 
 CUT_REQUEST = "cut"  # the file, in a cell's dir, by which the kernel asks the ranks stuck in it to cut
+# The file, in a cell's dir, that makes the SIGINT sent with it a stop of that cell: a signal that
+# reaches a rank after the cell ended (it answered on its own meanwhile) can't stop the next one.
+STOP_REQUEST = "stop"
 
 
 def load_value(blob: bytes):

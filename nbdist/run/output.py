@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import collections
 import os
+
 from nbdist.run.events import OutputChunk
 
 __all__ = ["LineAssembler", "LogFollower", "RankOutput", "skip_note"]

@@ -16,6 +16,7 @@ import collections
 import secrets
 import threading
 from multiprocessing.connection import Listener
+
 from nbdist.protocol.output_mirror import HEADER, STREAMS
 
 __all__ = ["OutputChannel", "new_channel_key"]

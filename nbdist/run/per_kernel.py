@@ -39,8 +39,8 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, options, *, run_id=None
     ``(run, channel)``.
     """
     from nbdist.launchers.rendezvous import Rendezvous, open_rendezvous
-    from nbdist.run.start import start_run
     from nbdist.launchers.spawn import SpawnLauncher
+    from nbdist.run.start import start_run
 
     comm, rank, size, local_size = channel = _kernel_channel(world)
     nprocs = options.nprocs

@@ -6,15 +6,16 @@ What ``nbdist.ps()``, ``nbdist.kill()``, the CLI and the teardown read (psutil).
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 
 import psutil
 
 from nbdist.protocol.marker import read_marker
-from nbdist.protocol.rundir import TEMPLATE_PREFIX, read_pids
+from nbdist.protocol.rundir import TEMPLATE_PREFIX, read_pids, read_spec
 
-__all__ = ["MarkedProcess", "find_marked"]
+__all__ = ["MarkedProcess", "Owner", "find_marked", "find_owner"]
 
 
 @dataclass
@@ -29,6 +30,7 @@ class MarkedProcess:
     rss: int
     cmdline: str
     run_dir: str | None
+    owner: Owner | None = None  # the kernel that started it, as its run dir says (None: no run dir)
 
     @property
     def age(self) -> float:
@@ -40,32 +42,82 @@ class MarkedProcess:
         return self.run_id.startswith(TEMPLATE_PREFIX)
 
     @property
-    def orphaned(self) -> bool:
-        """True when the kernel that started this process is no longer its parent.
+    def mine(self) -> bool:
+        """Started by this process (a run or session of this kernel)."""
+        return self.owner is not None and self.owner.local and self.owner.pid == os.getpid()
 
-        A template is legitimate only while its kernel lives (PDEATHSIG normally ends it with the
-        kernel); one handed to init or a subreaper is a leftover to kill. The kernel's pid is in
-        the template's run dir, so a subreaper that adopted it is not taken for its kernel.
+    @property
+    def orphaned(self) -> bool:
+        """True when the kernel that started this process is gone: a leftover nobody will end.
+
+        A process whose run dir names no kernel (none readable here) is nobody's. A template is
+        also a leftover once its kernel is no longer its parent (handed to init or a subreaper).
+        A run of a kernel on another machine is that kernel's to judge: never orphaned here.
         """
-        owner = None
-        if self.run_dir:
-            try:
-                with open(os.path.join(self.run_dir, "kernel.pid")) as fh:
-                    owner = int(fh.read().strip() or 0)
-            except (OSError, ValueError):
-                pass
-        if self.ppid <= 1 or (owner is not None and owner != self.ppid):
+        if self.owner is None:
             return True
+        if self.is_template and (self.ppid <= 1 or (self.owner.pid is not None and self.owner.pid != self.ppid)):
+            return True
+        return self.owner.alive is False
+
+    def whose(self) -> str:
+        """Whose it is, in a few words: "this kernel", "kernel pid 4242", "orphaned (kernel pid 4242 is gone)"."""
+        if self.owner is None:
+            return "orphaned (no run dir names its kernel)"
+        if self.mine:
+            return "this kernel"
+        if not self.owner.local:
+            return f"kernel pid {self.owner.pid} on {self.owner.host}"
+        if self.orphaned:
+            return f"orphaned (kernel pid {self.owner.pid} is gone)"
+        return f"kernel pid {self.owner.pid}"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The kernel that started a run: its pid and host, and whether it still lives (None: it runs
+    on another machine, which this one can't tell)."""
+
+    pid: int | None
+    host: str
+    alive: bool | None
+
+    @property
+    def local(self) -> bool:
+        return self.alive is not None
+
+
+def find_owner(run_dir: str | None) -> Owner | None:
+    """The kernel that made ``run_dir``: from its spec (runs, sessions) or ``kernel.pid`` (templates).
+
+    It lives if its pid does and that process is older than the run dir (a younger one reused the
+    number after the kernel died).
+    """
+    if not run_dir:
+        return None
+    try:
+        spec = read_spec(run_dir)
+        pid, host, made = spec.parent_pid, spec.kernel_host or socket.gethostname(), spec.created
+    except (OSError, ValueError, TypeError):
         try:
-            return psutil.Process(self.ppid).status() == psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return True
+            path = os.path.join(run_dir, "kernel.pid")
+            with open(path) as fh:
+                pid, host, made = int(fh.read().strip() or 0), socket.gethostname(), os.path.getmtime(path)
+        except (OSError, ValueError):
+            return None
+    if host != socket.gethostname():
+        return Owner(pid, host, None)
+    try:
+        alive = bool(pid) and psutil.Process(pid).create_time() <= made + 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        alive = False
+    return Owner(pid, host, alive)
 
 
 def find_marked(run_id: str | None = None) -> list[MarkedProcess]:
     """Live processes of this user that carry ``NBDIST_RUN_ID`` (of ``run_id``, or of any run)."""
     me, uid = os.getpid(), os.getuid()
-    found, rank_maps = [], {}
+    found, rank_maps, owners = [], {}, {}
     for proc in psutil.process_iter(["pid", "uids", "status"]):
         info = proc.info
         if info["pid"] == me or info["status"] == psutil.STATUS_ZOMBIE:
@@ -81,6 +133,7 @@ def find_marked(run_id: str | None = None) -> list[MarkedProcess]:
             continue
         if run_dir not in rank_maps:
             rank_maps[run_dir] = {pid: rank for rank, pid in read_pids(run_dir).items()} if run_dir else {}
+            owners[run_dir] = find_owner(run_dir)
         try:
             with proc.oneshot():
                 found.append(
@@ -93,6 +146,7 @@ def find_marked(run_id: str | None = None) -> list[MarkedProcess]:
                         rss=proc.memory_info().rss,
                         cmdline=" ".join(proc.cmdline()),
                         run_dir=run_dir,
+                        owner=owners[run_dir],
                     )
                 )
         except (psutil.NoSuchProcess, psutil.ZombieProcess):

@@ -43,7 +43,7 @@ def _short(path: str) -> str:
 
 
 def _is_plumbing(path: str) -> bool:
-    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # all of nbdist/
     return (path.startswith(here) or path.startswith("<frozen ") or path == "<string>"
             or (os.sep + "multiprocessing" + os.sep) in path)
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
-import threading
 
-from nbdist.protocol import rundir
-from nbdist.run import teardown
+from nbdist.launchers.forker import call_in_forker
 from nbdist.options import WorldOptions
+from nbdist.protocol import rundir
 from nbdist.protocol.rundir import RunSpec
+from nbdist.run import teardown
+from nbdist.run.retention import prune_in_background
 from nbdist.run.state import KILL_LADDER, Run
 
 __all__ = ["start_run"]
@@ -31,8 +32,8 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
     one world). ``reformable``: the ranks' process groups can be re-formed in place (a session's).
     """
     from nbdist.launchers import choose_master_addr
-    from nbdist.launchers.spawn import SpawnLauncher
     from nbdist.launchers.rendezvous import open_rendezvous
+    from nbdist.launchers.spawn import SpawnLauncher
 
     launcher = launcher or SpawnLauncher(start_method=options.start_method)  # refuses fork after CUDA here
     master_addr = choose_master_addr(launcher, options.master_addr)
@@ -55,7 +56,7 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
         if launcher.remote_ranks:
             from nbdist.run.output_channel import OutputChannel, new_channel_key
 
-            spec.kernel_host, spec.output_key = socket.gethostname(), new_channel_key()
+            spec.output_key = new_channel_key()
             channel = OutputChannel(master_addr, spec.output_key)
             spec.output_channel = list(channel.address)
         rundir.write_spec(run_dir, spec)
@@ -64,12 +65,14 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
             opened.close()
         rundir.discard_run_dir(run_dir)
         raise
+    prune_in_background(os.path.dirname(run_dir))  # old run dirs go, on a thread of their own
     run = Run(run_id, run_dir, spec, launcher, rendezvous, options.timeout, options.stop_timeout, channel)
     if on_event is not None:
         run.subscribe(on_event, replay=False)
     try:
         env = {k: str(v) for k, v in (options.env or {}).items()}
-        launcher.start(run_dir, run_id, nprocs, env)
+        # On the one thread that lives as long as the kernel: PDEATHSIG holds for what it starts.
+        call_in_forker(launcher.start, run_dir, run_id, nprocs, env)
         run._begin()
     except BaseException:
         report = teardown.stop_tree(launcher.leaders(), run_id, KILL_LADDER, timeout=2.0, on_tick=launcher.poll)
@@ -91,8 +94,10 @@ def _make_spec(run_id, nprocs, world_size, launcher, options: WorldOptions, rend
         master_port=rendezvous.master_port if rendezvous else None,
         use_agent_store=bool(rendezvous and rendezvous.use_agent_store),
         parent_pid=os.getpid(),
-        # PDEATHSIG follows the thread that forked: only the main thread lives as long as the kernel.
-        pdeathsig=threading.current_thread() is threading.main_thread(),
+        kernel_host=socket.gethostname(),  # an engine's ranks here watch the kernel itself too
+        # PDEATHSIG follows the thread that forked: every start runs on the forker, which lives as
+        # long as the kernel (nbdist.launchers.forker).
+        pdeathsig=True,
         start_method=getattr(launcher, "start_method", launcher.name),
         mp_start_method=multiprocessing.get_start_method(allow_none=True),
     )

@@ -11,7 +11,6 @@ No IPython and no signal handlers here: the front ends translate their interrupt
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import multiprocessing
@@ -21,14 +20,16 @@ import threading
 import time
 import weakref
 
+from nbdist.errors import (RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError, describe_exitcode,
+                           format_rank_set)
 from nbdist.protocol import rundir
-from nbdist.run import teardown
-from nbdist.errors import RankFailure, RunStoppedError, RunTimeoutError, WorkerFailedError, describe_exitcode, format_rank_set
 from nbdist.protocol.rundir import RunSpec
-from nbdist.run.stacks import dump_stacks
+from nbdist.run import teardown
+from nbdist.run.at_exit import close_at_exit
 from nbdist.run.events import TERMINAL, EventSource, RankStatus, RunEvent
 from nbdist.run.output import RankOutput
-
+from nbdist.run.retention import discard_data, mark_ended
+from nbdist.run.stacks import dump_stacks
 
 __all__ = ["Run", "KILL_LADDER", "INTERRUPT_LADDER"]
 
@@ -92,6 +93,7 @@ class Run(EventSource):
         self._stopping: str | None = None
         self._exit_seen: dict[int, float] = {}
         self._engine_root: int | None = None  # the rank an engine (torchrun) named as the first failure
+        self._unloadable: dict[int, str] = {}  # global rank -> why its value could not be loaded
         self._timed_out: dict[int, tuple] = {}  # global rank -> (its stack dump, whether it was in user code)
         self._monitor: threading.Thread | None = None
 
@@ -109,6 +111,11 @@ class Run(EventSource):
     def pids(self) -> dict[int, int]:
         """rank -> pid of the rank process."""
         return {self.global_rank(r): pid for r, pid in self.launcher.pids.items()}
+
+    def local_pids(self) -> dict[int, int]:
+        """rank -> pid of the ranks on this machine: the only ones a signal may reach."""
+        elsewhere = self.launcher.remote_slots()
+        return {self.global_rank(r): pid for r, pid in self.launcher.pids.items() if r not in elsewhere}
 
     @property
     def done(self) -> bool:
@@ -175,8 +182,12 @@ class Run(EventSource):
         self._monitor = threading.Thread(target=self._watch, name=f"nbdist-run-{self.run_id}", daemon=True)
         self._monitor.start()
 
-    def _pump_output(self, final: bool = False) -> None:
-        # The monitor pumps on every tick; a stop in another thread pumps one last time.
+    def pump_output(self, final: bool = False) -> None:
+        """Read what the ranks wrote since the last pump and tell the subscribers.
+
+        The monitor pumps on every tick; a stop in another thread pumps one last time, and a
+        session cell pumps before it says it is done.
+        """
         with self._pump_lock:
             if self._pumped_final:
                 return
@@ -194,7 +205,7 @@ class Run(EventSource):
                     multiprocessing.connection.wait(sentinels, timeout=0.05)
                 else:
                     time.sleep(0.05)
-                self._pump_output()
+                self.pump_output()
                 if self._stopping:
                     continue  # whoever is stopping the run finishes it
                 self._track_pids()
@@ -224,18 +235,30 @@ class Run(EventSource):
         known = {r for r, st in self.ranks.items() if st.status in TERMINAL}
         for r, code in self.launcher.collect_exited(self.run_dir, known).items():
             self._exit_seen.setdefault(r, time.time())
-            grank = self.global_rank(r)
-            ok, value = rundir.read_result(self.run_dir, grank)
-            if ok:  # the function returned: its value is kept even if the exit went wrong after
-                self._results[grank] = value
+            ok = self._take_result(self.global_rank(r))  # kept even if the exit went wrong after
             self._set_rank_status(r, "finished" if code == 0 and ok else "failed", code)
+
+    def _take_result(self, grank: int) -> bool:
+        """Load rank ``grank``'s value, if it returned one; a value the kernel can't load (a class
+        only the ranks can import) makes that rank fail, saying so, instead of the run."""
+        try:
+            ok, value = rundir.read_result(self.run_dir, grank)
+        except Exception as exc:
+            self._unloadable[grank] = (f"returned a value the kernel could not load ({type(exc).__name__}: {exc}); "
+                                       f"return plain data (tensors, numbers, dicts), or make its module importable "
+                                       f"in the kernel too")
+            return False
+        if ok:
+            self._results[grank] = value
+        return ok
 
     def _time_out(self) -> None:
         """Dump every rank's stacks into its log (a rank still starting too), then stop the run as failed."""
         live = {r: st.pid for r, st in self.ranks.items() if st.status not in TERMINAL}
+        elsewhere = self.launcher.remote_slots()  # another machine's pids: never signalled from here
         # A new rank holds the dump signal until its handler is in: it never dies of it.
         dumps = dump_stacks({r: (pid, rundir.log_path(self.run_dir, self.global_rank(r), "stderr"))
-                             for r, pid in live.items()}, timeout=2.0)
+                             for r, pid in live.items() if r not in elsewhere}, timeout=2.0)
         running = rundir.read_running(self.run_dir)
         self._timed_out = {self.global_rank(r): (dumps.get(r), self.global_rank(r) in running) for r in live}
         starting = sorted(g for g, (_, in_code) in self._timed_out.items() if not in_code)
@@ -255,20 +278,33 @@ class Run(EventSource):
             else:
                 self._stopping = status
                 first = True
-        if not first:
-            self._done.wait()
+        if not first:  # another thread stops it: wait for that, within its own deadline and some
+            self._done.wait(timeout + 10.0)
             return self.report
-        interrupted = None
-        leaders = self.launcher.leaders()
+        interrupted, failed = None, None
         try:
+            leaders = self.launcher.leaders()
             report = teardown.stop_tree(leaders, self.run_id, signals, timeout=timeout, on_tick=self.launcher.poll)
         except KeyboardInterrupt as exc:  # a second Ctrl-C: skip to SIGKILL, but never leave half a tree
             interrupted = exc
-            report = teardown.stop_tree(leaders, self.run_id, (signal.SIGKILL,), timeout=2.0, on_tick=self.launcher.poll)
-        self._finalize(status, report, reason, error_type)
+            report = self._stop_again()
+        except Exception as exc:  # EPERM from a signal, a psutil error: still end, and say so
+            log.exception("nbdist: stopping run %s failed", self.run_id)
+            failed = f"stopping its processes failed ({type(exc).__name__}: {exc})"
+            report = self._stop_again()
+        self._finalize(status, report, "; ".join(x for x in (reason, failed) if x) or None, error_type)
         if interrupted is not None:
             raise interrupted
         return report
+
+    def _stop_again(self) -> teardown.StopReport | None:
+        """The last resort of a stop that broke off: SIGKILL to whatever is left, by the marker too."""
+        try:
+            return teardown.stop_tree(self.launcher.leaders(), self.run_id, (signal.SIGKILL,), timeout=2.0,
+                                      on_tick=self.launcher.poll)
+        except Exception:  # noqa: BLE001 - the run still ends; its report says nothing was confirmed
+            log.exception("nbdist: the last stop of run %s failed too", self.run_id)
+            return None
 
     def _collect_failures(self) -> dict[int, RankFailure]:
         failures = {}
@@ -284,6 +320,8 @@ class Run(EventSource):
                 f.traceback, f.exc_type, f.message = info["traceback"], info["exc_type"], info["message"]
                 f.user_traceback = info.get("user_traceback")
                 f.hint, f.secondary, f.time = info.get("hint"), info.get("secondary", False), info["time"]
+            elif grank in self._unloadable:
+                f.message = self._unloadable[grank]
             elif grank in self._timed_out:  # stopped by the timeout: where it stood is what it said
                 dump, in_code = self._timed_out[grank]
                 f.message = ("running" if in_code else "still starting") + " when the timeout expired"
@@ -318,7 +356,37 @@ class Run(EventSource):
         return f"no traceback; {self.launcher.name} said:\n{said}" if said.strip() else None
 
     def _finalize(self, status: str, report, reason: str | None = None, error_type=WorkerFailedError) -> None:
-        # Reap everything, read what the ranks left, and only then tell the world.
+        """Reap everything, read what the ranks left, and only then tell the world.
+
+        Exception-safe: whatever raises here (a result the kernel can't unpickle, an engine that
+        won't say), the run still ends, with an error that says why, and nobody waits for ever.
+        """
+        try:
+            self._settle_ranks(status)
+            self.report = report
+            if status == "failed":
+                here = {self.global_rank(r) for r in self.ranks}
+                self.error = error_type(self._collect_failures(), self.results, self.run_dir, reason,
+                                        elsewhere=set(range(self.spec.world_size)) - here)
+            elif status in ("interrupted", "killed"):
+                self.error = RunStoppedError(status, self.results, self.run_dir, report)
+        except Exception as exc:
+            log.exception("nbdist: ending run %s failed", self.run_id)
+            status = "failed" if status == "finished" else status
+            self.error = WorkerFailedError({}, self.results, self.run_dir,
+                                           f"nbdist could not end the run cleanly ({type(exc).__name__}: {exc})")
+        finally:
+            self._status = status
+            self.ended = time.monotonic()
+            # The payload and this kernel's results were read: the logs are what stays.
+            discard_data(self.run_dir, [self.global_rank(r) for r in self.ranks])
+            mark_ended(self.run_dir, status)
+            _LIVE_RUNS.discard(self)
+            self._done.set()
+            self._emit(RunEvent(status, None, self.error or report))
+
+    def _settle_ranks(self, status: str) -> None:
+        """Wait briefly for the ranks' exit codes, take the engine's word, and settle each rank's status."""
         for _ in range(100):
             codes = self.launcher.poll()
             if all(c is not None for c in codes.values()):
@@ -334,30 +402,16 @@ class Run(EventSource):
             grank = self.global_rank(r)
             if st.status in TERMINAL:
                 continue
-            ok, value = rundir.read_result(self.run_dir, grank)
-            if ok:  # returned before the stop reached it (it may have been stopped while exiting)
-                self._results[grank] = value
+            if self._take_result(grank):  # returned before the stop reached it (it may have been stopped while exiting)
                 self._set_rank_status(r, "finished", code)
             else:
                 self._set_rank_status(r, status if status != "failed" else "killed", code)
-        self._pump_output(final=True)
+        self.pump_output(final=True)
         if self.channel is not None:
             self.channel.close()
         self.launcher.close()
         if self.rendezvous is not None:
             self.rendezvous.close()
-        self.report = report
-        if status == "failed":
-            here = {self.global_rank(r) for r in self.ranks}
-            self.error = error_type(self._collect_failures(), self.results, self.run_dir, reason,
-                                    elsewhere=set(range(self.spec.world_size)) - here)
-        elif status in ("interrupted", "killed"):
-            self.error = RunStoppedError(status, self.results, self.run_dir, report)
-        self._status = status
-        self.ended = time.monotonic()
-        _LIVE_RUNS.discard(self)
-        self._done.set()
-        self._emit(RunEvent(status, None, self.error or report))
 
     # ---- what users call ------------------------------------------------------------------
     def wait(self, timeout: float | None = None) -> dict:
@@ -389,10 +443,12 @@ class Run(EventSource):
         return False
 
 
-@atexit.register
 def _stop_live_runs() -> None:
     # A script that ends with runs in flight must not leave them behind (the ranks' watchdogs
     # would catch it too, but only after this process is gone).
     for run in list(_LIVE_RUNS):
         with contextlib.suppress(Exception):
             run.kill()
+
+
+close_at_exit("runs", _stop_live_runs)

@@ -18,8 +18,8 @@ import threading
 import time
 
 from nbdist.errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
-from nbdist.run.events import EventSource, RankStatus, RunEvent
-from nbdist.run.events import DisplayEvent, OutputChunk
+from nbdist.run.events import DisplayEvent, EventSource, OutputChunk, RankStatus, RunEvent
+from nbdist.run.retention import discard_data
 
 __all__ = ["CellHandle"]
 
@@ -52,8 +52,8 @@ class CellHandle(EventSource):
     >>> cell.interrupt()      # back to idle, the model and optimizer kept
     """
 
-    def __init__(self, session, cell_id: int, ranks: list[int], cell_dir: str, internal: bool = False):
-        self.session = session
+    def __init__(self, incarnation, cell_id: int, ranks: list[int], cell_dir: str, internal: bool = False):
+        self.incarnation = incarnation  # the ranks it runs on: only they can be acted on for it
         self.internal = internal  # nbdist's own call (bringing the ranks in step), not a user's cell
         self.cell_id = cell_id
         self.targets = list(ranks)
@@ -64,6 +64,7 @@ class CellHandle(EventSource):
         self.interrupted: set[int] = set()
         self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
         self.error: BaseException | None = None
+        self.stop_requested = False  # the stop button, a timeout or a peer's failure asked to stop it
         self.released: list[int] = []  # ranks freed from a collective by dropping their peers' connections
         self.release_sent: set[int] = set()  # ranks told to drop their connections
         self.note: str | None = None  # what the session did to bring the ranks in step after this cell
@@ -71,18 +72,19 @@ class CellHandle(EventSource):
         self.stopped_by: str | None = None  # another node's kernel stopped its part first, and why
         self.started = time.monotonic()
         self.ended: float | None = None
-        self.run_id = f"{session.session_id}/{cell_id}"
+        self.run_id = f"{incarnation.session_id}/{cell_id}"
         self.run_dir = cell_dir
-        self.log_dir = session.run_dir  # each rank's log is one file for the whole session
-        self.label = f"session {session.session_id} · cell {cell_id}"
+        self.log_dir = incarnation.run_dir  # each rank's log is one file for the whole session
+        self.label = f"session {incarnation.session_id} · cell {cell_id}"
         self.quiet_when_finished = True
         self.nprocs = len(self.targets)
-        self.ranks = {r: RankStatus(r, "running", pid=session.pids.get(r)) for r in self.targets}  # as Run.ranks
+        self.ranks = {r: RankStatus(r, "running", pid=incarnation.pids.get(r)) for r in self.targets}  # as Run.ranks
         self.report: str | None = None
         self._subscribers: list = []
         self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
         self.displays: list[DisplayEvent] = []  # rich output, in order (replayed too)
         self.answered = threading.Event()  # every targeted rank replied (the cell is done once in step)
+        self._timer: threading.Timer | None = None  # its timeout, cancelled when it ends
         self._done = threading.Event()
         self._lock = threading.RLock()
 
@@ -132,6 +134,12 @@ class CellHandle(EventSource):
         answered = set(self.results) | set(self.failures) | self.interrupted
         return [r for r in self.targets if r not in answered]
 
+    def start_timer(self, timeout: float, interrupt) -> None:
+        """Call ``interrupt(self)`` after ``timeout`` seconds unless the cell ended first."""
+        self._timer = threading.Timer(timeout, interrupt, args=(self,))
+        self._timer.daemon = True
+        self._timer.start()
+
     # ---- filled in by the session --------------------------------------------------------
     def record_start(self, rank: int, offsets) -> None:
         self.offsets[rank] = (tuple(offsets), None)
@@ -144,10 +152,13 @@ class CellHandle(EventSource):
             start = self.offsets.get(rank, (None, None))[0]
             self.offsets[rank] = (start, tuple(offsets))
             if kind == "finished":
-                self.results[rank] = load_value(body)
-            elif kind == "interrupted":
+                try:
+                    self.results[rank] = load_value(body)
+                except Exception as exc:  # a class only the ranks can import, say: this cell's error
+                    kind, body = "failed", _unloadable(rank, exc)
+            if kind == "interrupted":
                 self.interrupted.add(rank)
-            else:
+            elif kind == "failed":
                 self.failures[rank] = _failure_from(rank, pid, body)
             self._set_rank(rank, kind)
             if self.busy_ranks():
@@ -164,7 +175,7 @@ class CellHandle(EventSource):
             if self.failures:
                 self.status = "failed"
                 self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note,
-                                               elsewhere=self.session.ranks_elsewhere(), remote_cause=self.stopped_by)
+                                               elsewhere=self.incarnation.ranks_elsewhere(), remote_cause=self.stopped_by)
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
@@ -176,21 +187,23 @@ class CellHandle(EventSource):
             self._end()
 
     def lose(self, error: SessionLostError) -> None:
-        """The session went down under this cell. A rank that raised first is still the root cause:
-        the error names it (with its cell lines), and says that the session was stopped."""
+        """The session went down under this cell. The error names the root cause once, among the
+        rank that died and what this cell's ranks said (a rank that raised first is still it, with
+        its cell lines; a peer that only lost its connection never is)."""
         with self._lock:
             if self.done:
                 return
             if self.failures:
-                error = WorkerFailedError(self.failures, dict(sorted(self.results.items())), self.cell_dir,
-                                          error.reason, elsewhere=self.session.ranks_elsewhere())
-                error.session_lost = True
+                error = SessionLostError(error.reason, error.cause, {**error.failures, **self.failures})
             self.status, self.error = "lost", error
             for rank in self.busy_ranks():
                 self._set_rank(rank, "killed")
             self._end()
 
     def _end(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        discard_data(self.cell_dir)  # every rank read the payload (a pushed tensor, say): only its record stays
         self.ended = time.monotonic()
         self._done.set()
         self._emit(RunEvent(self.status, None, self.error or self.report))
@@ -215,8 +228,16 @@ class CellHandle(EventSource):
         (stuck in C code) is dumped and the session is stopped, whole tree; the cell then says
         which rank was stuck.
         """
-        self.session.interrupt_cell(self)
+        self.incarnation.interrupt_cell(self)
         self._done.wait(60)  # the ranks answered; the session brings them in step, then the cell ends
+
+
+def _unloadable(rank: int, exc: Exception) -> dict:
+    """The error record of a value the rank returned that the kernel can't load."""
+    return {"exc_type": type(exc).__name__, "time": time.time(),
+            "message": (f"the kernel could not load the value that rank {rank} returned ({type(exc).__name__}: "
+                        f"{exc}); return plain data (tensors, numbers, dicts), or make its module importable "
+                        f"in the kernel too")}
 
 
 def _failure_from(rank: int, pid, info: dict) -> RankFailure:

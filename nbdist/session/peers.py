@@ -5,7 +5,7 @@ node can raise, be stopped, or leave a collective without this kernel seeing it,
 only be re-formed by every rank of the world at once, under the same generation. So the kernels
 tell each other what they do, through the world's own store: the TCPStore that torchrun's c10d
 rendezvous hosts at ``master_addr:master_port`` (nbdist runs no server of its own). The kernel
-connects to it as a client; torch is imported here, in the kernel, only for such a session.
+connects to it as a client; torch is imported here, in the kernel, only for such a inc.
 
 Two kinds of event, numbered keys under ``nbdist-world/`` (an atomic counter orders them):
 
@@ -118,29 +118,29 @@ class WorldLink:
             self._on_event(event)
 
 
-def link_kernels(session, engine) -> WorldLink:
-    """Start ``session``'s link to the other kernels of its world (torchrun's rendezvous store)."""
+def link_kernels(inc, engine) -> WorldLink:
+    """Start incarnation ``inc``'s link to the other kernels of its world (torchrun's rendezvous store)."""
 
     def on_event(event):  # stopping or re-forming waits on the ranks: not on the reading thread
-        threading.Thread(target=on_world_event, args=(session, event), daemon=True).start()
+        threading.Thread(target=on_world_event, args=(inc, event), daemon=True).start()
 
-    return WorldLink(engine.master_addr, engine.master_port, session.options.node_rank, on_event).start()
+    return WorldLink(engine.master_addr, engine.master_port, inc.options.node_rank, on_event).start()
 
 
-def tell_world_gone(session, why: str) -> None:
+def tell_world_gone(inc, why: str) -> None:
     """This node's part is going (a rank ended, or it is stopped): tell the other nodes before the
     tree goes, as node 0's agent hosts the store and torchrun ends it soon after."""
-    with session._lock:
-        link = session.world
-        if link is None or session.status not in ("idle", "busy") or link.gone:
+    with inc.lock:
+        link = inc.world
+        if link is None or inc.status not in ("idle", "busy") or link.gone:
             return
         link.gone = True  # the cause is here: what the other nodes do next is their echo
     link.announce("gone", wait=0.5, why=why)
 
 
-def announce_stop(session, cell) -> None:
+def announce_stop(inc, cell) -> None:
     """Tell the other kernels that this node's part of ``cell`` ended abnormally (once per cell)."""
-    link = session.world
+    link = inc.world
     if link is None or cell.internal or cell.announced:
         return
     cell.announced = True
@@ -149,36 +149,38 @@ def announce_stop(session, cell) -> None:
         why = "a rank lost its peers" if root.secondary else f"rank {root.rank} {root.describe()}"
     else:
         why = "it was interrupted"
-    threading.Thread(target=link.announce, args=("stop",), kwargs={"generation": session._generation, "why": why},
+    threading.Thread(target=link.announce, args=("stop",), kwargs={"generation": inc.generation, "why": why},
                      daemon=True).start()
 
 
-def on_world_event(session, event: dict) -> None:
+def on_world_event(inc, event: dict) -> None:
     """Another kernel's event: stop this node's part of the cell too, re-form with it, or stop here."""
+    if inc.ended:  # an event for ranks that are gone: nothing here to act on
+        return
     where = f"node {event['node']}"
     if event["kind"] == "gone":
         what = (f"{where}'s part of the world {event['why']}" if event["node"] is not None else
                 f"the world's store closed ({event['why']}): node 0's torchrun agent ended, so a node's part of the "
                 f"world was lost or closed")
-        if session.status in ("starting", "idle", "busy") and not session.world.gone:
-            session.world.gone = True  # the cause is elsewhere: no echo back
-            session._lose(f"the session was stopped: {what}; this node's ranks can't go on without it, so their state "
-                          f"is lost; %dist_restart on every node brings the world back")
+        if inc.status in ("starting", "idle", "busy") and not inc.world.gone:
+            inc.world.gone = True  # the cause is elsewhere: no echo back
+            inc.lose(f"the session was stopped: {what}; this node's ranks can't go on without it, so their state "
+                     f"is lost; {inc.restart_hint} on every node")
         return
-    with session._lock:
-        if event["generation"] != session._generation or session._reform_due == session._generation:
+    with inc.lock:
+        if event["generation"] != inc.generation or inc.reform_due == inc.generation:
             return  # already re-formed past it, or already told
-        session._reform_due = session._generation
-        session._stopped_by = f"{where}'s part of the cell stopped first: {event['why']}"
-        session._told.notify_all()
-        cell = session._active
-        busy_user_cell = session.status == "busy" and cell is not None and not cell.internal and not cell.done
-        idle = session.status == "idle"
+        inc.reform_due = inc.generation
+        inc.stopped_by = f"{where}'s part of the cell stopped first: {event['why']}"
+        inc.told.notify_all()
+        cell = inc.active
+        busy_user_cell = inc.status == "busy" and cell is not None and not cell.internal and not cell.done
+        idle = inc.status == "idle"
         if busy_user_cell:
             cell.announced = True  # it is that node's stop: no need to tell it back
     if busy_user_cell:
-        session.interrupt_cell(cell)
+        inc.interrupt_cell(cell)
     elif idle:
-        session.catch_up()  # nbdist.session.recovery.catch_up
+        inc.catch_up()  # nbdist.session.recovery.catch_up
 
 

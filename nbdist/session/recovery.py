@@ -6,7 +6,7 @@ Either way the next collective could hang or sum the wrong tensors. So before th
 is done, the session counts each rank's collectives per group; if a rank was freed or the counts
 differ, every rank re-forms its groups *in place* (:mod:`nbdist.worker.reformable_groups`): DDP models, FSDP2
 meshes and the user's own group handles keep the objects they hold, now connected again. A group
-that can't be re-formed (a backend nbdist doesn't wrap) stops the session, said in one line, so
+that can't be re-formed (a backend nbdist doesn't wrap) stops the inc, said in one line, so
 the user never meets it as a hang or a wrong sum.
 """
 
@@ -16,14 +16,14 @@ import contextlib
 import os
 import signal
 
-from nbdist.protocol import rundir
 from nbdist.errors import SessionLostError, format_rank_set
-from nbdist.protocol.session_channel import CUT_REQUEST
-from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
+from nbdist.protocol import rundir
+from nbdist.protocol.session_channel import CUT_REQUEST, STOP_REQUEST
 from nbdist.protocol.signals import CUT_SIGNAL
 from nbdist.session.peers import announce_stop
+from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
 
-__all__ = ["stop_cell", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
+__all__ = ["stop_cell", "interrupt_ranks", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
            "RELEASE_AFTER_PEER_FAILED_S", "STUCK_AFTER_S", "catch_up"]
 
 # A rank in Python answers SIGINT within milliseconds; one still busy after this waits in C code,
@@ -35,101 +35,118 @@ STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck fo
 CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for every rank to connect
 
 
-def stop_cell(session, cell, release_after: float = RELEASE_AFTER_S) -> None:
+def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
     """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
     ``release_after`` waits in C code: the free ranks drop their group connections, and the busy
     ones cut their own (:func:`nbdist.worker.session_loop._cut_when_asked`), which fails the collective
-    it waits in; one still busy :data:`STUCK_AFTER_S` later ends the session."""
-    announce_stop(session, cell)  # a session across kernels: the other nodes stop their part too
+    it waits in; one still busy :data:`STUCK_AFTER_S` later ends the incarnation.
+
+    ``inc`` is the cell's incarnation; once it has ended, nothing is signalled (its pids may
+    belong to other processes by now)."""
+    if inc.ended or cell.done:
+        return
+    cell.stop_requested = True
+    announce_stop(inc, cell)  # a session across kernels: the other nodes stop their part too
     busy = cell.busy_ranks()
-    for pid in session.local_pids(busy):  # (a rank on another machine can't be signalled from here)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGINT)
+    interrupt_ranks(cell, inc.local_pids(busy))
     if not busy or cell.answered.wait(release_after):
         return
-    with session._lock:
+    with inc.lock:
         waiting = cell.busy_ranks()
-        free = [r for r in sorted(session.pids) if r not in waiting]
-        release = bool(waiting) and not cell.released and session.status == "busy" and session._active is cell
+        free = [r for r in sorted(inc.pids) if r not in waiting]
+        release = bool(waiting) and not cell.released and inc.status == "busy" and inc.active is cell
         if release:
             cell.released, cell.release_sent = waiting, set(free)
     if release:
         if free:  # and each rank it frees drops its connections in turn (release_if_asked)
-            session._send(free, ("release",))
+            inc.send(free, ("release",))
         if CUT_SIGNAL is not None:  # and a rank with no free peer (all stuck, or in a ring) cuts its own
             rundir.write_private(os.path.join(cell.cell_dir, CUT_REQUEST), b"")  # for this cell only
-            for pid in session.local_pids(waiting):
+            for pid in inc.local_pids(waiting):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, CUT_SIGNAL)
     if cell.answered.wait(STUCK_AFTER_S):
         return
     stuck = cell.busy_ranks()
-    if not stuck or session.status in ("broken", "closed"):
+    if not stuck or inc.ended or inc.active is not cell:
         return
-    where = session._dump_stacks(stuck)
+    where = inc.dump_stacks(stuck)
     one = len(stuck) == 1
     freed = (f"; cutting {'its' if one else 'their'} process groups' connections did not free "
              f"{'it' if one else 'them'}") if CUT_SIGNAL is not None else ""
-    if session.ranks_elsewhere():
-        freed += (f"; the world's {format_rank_set(session.ranks_elsewhere())} are driven by other kernels, "
+    if inc.ranks_elsewhere():
+        freed += (f"; the world's {format_rank_set(inc.ranks_elsewhere())} are driven by other kernels, "
                   f"whose cell may have ended without this collective")
-    session._lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
-                  f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
-                  f"their state is lost; restart() brings new ranks")
+    inc.lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
+             f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
+             f"their state is lost; {inc.restart_hint}")
 
 
-def release_if_asked(session, cell, rank: int) -> None:
+def interrupt_ranks(cell, pids) -> None:
+    """SIGINT, for ``cell`` only, to the ranks ``pids`` (of this machine: a rank on another machine
+    can't be signalled from here). The request in the cell's dir comes first, so that a rank that
+    gets the signal only once the cell is over ignores it."""
+    with contextlib.suppress(OSError):  # a cell dir that is gone: the cell is long over
+        rundir.write_private(os.path.join(cell.cell_dir, STOP_REQUEST), b"")
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGINT)
+
+
+def release_if_asked(inc, cell, rank: int) -> None:
     """A rank freed by the release drops its own connections too: in a ring, a rank may wait on
     a peer that was itself waiting (not on the rank that left), and only this frees it."""
-    with session._lock:
+    with inc.lock:
         if not cell.released or rank in cell.release_sent:
             return
         cell.release_sent.add(rank)
-    session._send([rank], ("release",))
+    inc.send([rank], ("release",))
 
 
-def recover(session, cell) -> None:
+def recover(inc, cell) -> None:
     """After a failed or interrupted cell (on a thread of its own: bringing the ranks in step needs
     the reply reader): check every group, re-form in place if needed, then end the cell."""
     try:
-        cell.note = bring_in_step(session, cell)
+        cell.note = bring_in_step(inc, cell)
     except SessionLostError as exc:
         cell.lose(exc)
         return
     except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
+        if inc.ended:  # it ended under us (a rank died, or it was closed): that says why
+            cell.lose(SessionLostError(inc.lost_reason or "the session was closed", inc.rank_run.error))
+            return
         kind = "failed" if cell.failures else "interrupted"
-        session._lose(f"the session was stopped: its ranks could not be brought back in step after the {kind} "
-                      f"cell ({type(exc).__name__}: {exc}); the state is lost; restart() brings new ranks")
-        cell.lose(SessionLostError(session.lost_reason))
+        inc.lose(f"the session was stopped: its ranks could not be brought back in step after the {kind} "
+                 f"cell ({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
+        cell.lose(SessionLostError(inc.lost_reason))
         return
-    session.become_idle(cell)
+    inc.become_idle(cell)
 
 
-def call_on_ranks(session, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
+def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
     """Run nbdist's own ``fn(*args)`` on every rank of a session that is bringing its ranks in step.
 
     Returns ``{rank: value}``; a rank that doesn't answer within ``timeout`` is dumped and the
     session is stopped (SessionLostError); a rank that raised raises its WorkerFailedError.
     """
-    cell_dir = session.new_cell_dir()
+    cell_dir = inc.new_cell_dir()
     rundir.write_payload(cell_dir, fn, args, {})
-    handle = session.start_cell(cell_dir, sorted(session.pids), None, internal=True)
+    handle = inc.start_cell(cell_dir, sorted(inc.pids), None, internal=True)
     if not handle.answered.wait(timeout):
         stuck = handle.busy_ranks()
-        where = session._dump_stacks(stuck) if stuck else ""
-        session._lose(f"the session was stopped: {format_rank_set(stuck)} did not answer within {timeout:g} s "
-                      f"while the session brought its ranks back in step{where}; the state is lost; restart() "
-                      f"brings new ranks")
-        raise SessionLostError(session.lost_reason)
+        where = inc.dump_stacks(stuck) if stuck else ""
+        inc.lose(f"the session was stopped: {format_rank_set(stuck)} did not answer within {timeout:g} s "
+                 f"while the session brought its ranks back in step{where}; the state is lost; {inc.restart_hint}")
+        raise SessionLostError(inc.lost_reason)
     handle._done.wait(timeout)
     if handle.error is not None:
         raise handle.error
     return handle.results
 
 
-def _why(session, cell, counts: dict) -> str:
+def _why(inc, cell, counts: dict) -> str:
     """What left the ranks out of step, in the words of the cell's note."""
-    if cell.released and set(cell.released) >= set(session.pids):
+    if cell.released and set(cell.released) >= set(inc.pids):
         return (f"{format_rank_set(cell.released)} waited in collectives that could not complete, and were released, "
                 f"each cutting its own connections")
     if cell.released:
@@ -141,22 +158,22 @@ def _why(session, cell, counts: dict) -> str:
     return f"the ranks stopped at different collectives ({where})"
 
 
-def bring_in_step(session, cell) -> str | None:
+def bring_in_step(inc, cell) -> str | None:
     """Check the ranks' groups after ``cell``; re-form them in place if needed.
 
     Returns the note for the cell's output (None when nothing had to be done). Raises
     SessionLostError when the groups are out of step and can't be re-formed.
     """
-    across = session.world is not None
+    across = inc.world is not None
     if across:  # every abnormal cell re-forms the world's groups, on every kernel (nbdist.session.peers)
-        announce_stop(session, cell)
-        told = lambda: session._reform_due == session._generation  # noqa: E731
-        with session._lock:
+        announce_stop(inc, cell)
+        told = lambda: inc.reform_due == inc.generation  # noqa: E731
+        with inc.lock:
             if cell.failures and all(f.secondary for f in cell.failures.values()):
                 # Its ranks only lost their peers: the node that stopped first says why, within ms.
-                session._told.wait_for(told, timeout=2.0)
-            cell.stopped_by = session._stopped_by if told() else None
-    answers = {r: a for r, a in call_on_ranks(session, count_collectives).items() if a is not None}
+                inc.told.wait_for(told, timeout=2.0)
+            cell.stopped_by = inc.stopped_by if told() else None
+    answers = {r: a for r, a in call_on_ranks(inc, count_collectives).items() if a is not None}
     if not answers:
         return None  # no process group: nothing can be out of step
     counts = {r: a[1] for r, a in answers.items()}
@@ -164,22 +181,22 @@ def bring_in_step(session, cell) -> str | None:
     in_step = len({tuple(sorted(c.items())) for c in counts.values()}) == 1
     if in_step and not cell.released and not across:
         if any(a[2] for a in answers.values()):  # a step stopped half-way: the next one would not pair up
-            call_on_ranks(session, reset_models)
+            call_on_ranks(inc, reset_models)
         return replicas or None
-    why = _why(session, cell, counts)
+    why = _why(inc, cell, counts)
     if across and in_step and not cell.released:
         why = f"as every node's kernel does after a cell that {'failed' if cell.failures else 'was stopped'}"
     kind = "failed" if cell.failures else "interrupted"
     if not all(a[0] for a in answers.values()):
-        session._lose(f"the session was stopped: after the {kind} cell {why}, and its process group "
-                      f"(backend {session.options.backend!r}) can't be re-formed in place, so the next collective "
-                      f"could hang or give wrong results; the state is lost; restart() brings new ranks")
-        raise SessionLostError(session.lost_reason)
-    session._generation += 1
-    done = call_on_ranks(session, reform_groups, session._generation)
+        inc.lose(f"the session was stopped: after the {kind} cell {why}, and its process group "
+                 f"(backend {inc.options.backend!r}) can't be re-formed in place, so the next collective "
+                 f"could hang or give wrong results; the state is lost; {inc.restart_hint}")
+        raise SessionLostError(inc.lost_reason)
+    inc.generation += 1
+    done = call_on_ranks(inc, reform_groups, inc.generation)
     ms = max(d["seconds"] for d in done.values()) * 1000
-    session.last_reform = done  # the parts' timings, for benchmarks and tests
-    where = f" across the {session.options.nnodes} nodes' kernels" if across else ""
+    inc.last_reform = done  # the parts' timings, for benchmarks and tests
+    where = f" across the {inc.options.nnodes} nodes' kernels" if across else ""
     note = f"the process group was re-formed in place{where} in {ms:.0f} ms"
     note = (f"{cell.stopped_by}; {note}" if cell.stopped_by else f"{note} ({why})") + "; models, optimizers and data are kept"
     return note + ("; " + replicas if replicas else "")
@@ -197,24 +214,23 @@ def _replicas_note(prints: dict) -> str:
             f"(for p in model.parameters(): dist.broadcast(p.data, src=0))")
 
 
-def catch_up(session) -> None:
+def catch_up(inc) -> None:
     """Idle, this node re-forms the world's groups with the kernel that announced a stop."""
-
-    with session._lock:
-        if session.status != "idle":
+    with inc.lock:
+        if inc.status != "idle":
             return
-        session.status = "busy"
-        session._in_step.clear()  # a cell sent now waits for the re-forming
+        inc.status = "busy"
+        inc.in_step.clear()  # a cell sent now waits for the re-forming
     try:
-        session._generation += 1
-        session.last_reform = call_on_ranks(session, reform_groups, session._generation, timeout=CHECK_TIMEOUT_S)
+        inc.generation += 1
+        inc.last_reform = call_on_ranks(inc, reform_groups, inc.generation, timeout=CHECK_TIMEOUT_S)
     except SessionLostError:
         pass  # call_on_ranks stopped the session and said why
     except Exception as exc:
-        session._lose(f"the session was stopped: its ranks could not re-form the world's process group with the "
-                      f"other nodes ({type(exc).__name__}: {exc}); the state is lost; %dist_restart on every node")
+        inc.lose(f"the session was stopped: its ranks could not re-form the world's process group with the "
+                 f"other nodes ({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint} on every node")
     finally:
-        with session._lock:
-            if session.status == "busy":
-                session.status = "idle"
-        session._in_step.set()
+        with inc.lock:
+            if inc.status == "busy":
+                inc.status = "idle"
+        inc.in_step.set()

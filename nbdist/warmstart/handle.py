@@ -12,7 +12,6 @@ listens, so no other process can ask it for code execution.
 
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import socket
@@ -27,7 +26,7 @@ from nbdist.protocol.marker import reserve_marker_env
 from nbdist.protocol.rundir import TEMPLATE_PREFIX
 
 __all__ = ["WarmTemplate", "WarmUnavailable", "warm", "current_template", "choose_start_method",
-           "fork_ranks", "start_in_background", "close_templates", "tell_once", "TEMPLATE_PREFIX"]
+           "fork_ranks", "start_in_background", "close_templates", "retire_templates", "tell_once", "TEMPLATE_PREFIX"]
 
 WARM_ENV = "NBDIST_WARM"  # "0" turns warm start off
 START_METHOD_ENV = "NBDIST_START_METHOD"  # the default start method: auto, warm, spawn or fork
@@ -283,6 +282,18 @@ def fork_ranks(request: dict, explicit: bool):
         raise
 
 
+def retire_templates() -> WarmTemplate | None:
+    """Warm start off for this kernel: the template stops serving and exits once the ranks it forked
+    (live sessions' and runs') have ended; it never takes them with it. Returns the one retired."""
+    global _CURRENT
+    with _LOCK:
+        _prune_retired()
+        template, _CURRENT = _CURRENT, None
+    if template is not None and template.alive():
+        template.retire()
+    return template
+
+
 def _prune_retired() -> None:
     for old in list(_RETIRING):
         if old.proc.poll() is not None:
@@ -290,9 +301,12 @@ def _prune_retired() -> None:
             _RETIRING.remove(old)
 
 
-@atexit.register
 def close_templates() -> None:
-    """End every template of this process (the kernel is leaving; EOF would end them too)."""
+    """End every template of this process now, and the ranks they forked with them.
+
+    What the kernel does last as it exits (:mod:`nbdist.run.at_exit`, after its sessions and runs
+    ended gracefully). While sessions or runs live, :func:`retire_templates` is the polite way.
+    """
     global _CURRENT
     for template in [*_RETIRING, *([_CURRENT] if _CURRENT else [])]:
         try:

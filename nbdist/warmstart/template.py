@@ -155,15 +155,18 @@ def _fork_ranks(request: dict, run_conn, files, watched: dict, runs: dict) -> No
     _send(run_conn, ("started", pids))
 
 
-def serve(conn, sock, files) -> None:
-    """The loop: fork on request, report exits, leave on end-of-file or "retire" once idle."""
+def serve(conn, sock, files, kernel_fd: int) -> None:
+    """The loop: fork on request, report exits, leave on end-of-file or "retire" once idle, and at
+    once when the kernel (``kernel_fd``, its pidfd) is gone, retiring or not: our ranks follow us."""
     from multiprocessing.connection import Connection, wait
 
     watched: dict[int, tuple[int, int, int]] = {}  # pidfd -> (run key, local rank, pid)
     runs: dict[int, list] = {}  # run key -> [run connection, ranks still alive]
     retiring = False
     while not (retiring and not watched):
-        ready = wait([conn, *watched] if not retiring else list(watched))
+        ready = wait([kernel_fd, *watched] + ([] if retiring else [conn]))
+        if kernel_fd in ready:
+            return  # the kernel died: our ranks die with us (PDEATHSIG from this thread)
         for item in ready:
             if item is conn:
                 try:
@@ -238,6 +241,8 @@ def main(argv=None) -> int:
         set_pdeathsig(signal.SIGKILL)
     if os.getppid() != kernel_pid:
         return 1  # the kernel died before we got here
+    # PDEATHSIG is there only if the kernel started us from its main thread: watch it ourselves too.
+    kernel_fd = os.pidfd_open(kernel_pid)
     conn = Connection(fd)
     sock = socket.socket(fileno=os.dup(fd))
     try:
@@ -248,18 +253,22 @@ def main(argv=None) -> int:
         # Everything imported so far is shared with every rank: keep the collector off those pages,
         # or each rank copies them (memory) the first time it collects (time).
         gc.freeze()
+        if os.getppid() != kernel_pid:
+            return 1  # the kernel died while we imported
         _say(f"ready in {time.monotonic() - t0:.2f} s: {len(files)} modules; preload {preload}")
         conn.send(("ready", {"pid": os.getpid(), "failed": failed, "refusal": refusal,
                              "seconds": time.monotonic() - t0}))
-        serve(conn, sock, files) if refusal is None else _wait_for_eof(conn)
+        serve(conn, sock, files, kernel_fd) if refusal is None else _wait_for_eof(conn, kernel_fd)
     except _BecomeRank as become:
         return _become_rank(become)
     return 0
 
 
-def _wait_for_eof(conn) -> None:
+def _wait_for_eof(conn, kernel_fd: int) -> None:
     """A template that can't serve stays listed (and says why) until its kernel lets it go."""
-    while True:
+    from multiprocessing.connection import wait
+
+    while kernel_fd not in wait([conn, kernel_fd]):
         try:
             conn.recv()
         except (EOFError, OSError):

@@ -31,26 +31,61 @@ def _kill_own_group(*_):
         os._exit(137)
 
 
-def _watch_parent(parent_pid: int, interval: float) -> None:
-    # PDEATHSIG alone kills only this process; grandchildren would be orphaned. This thread
-    # needs no signal delivery and works while the main thread sits in a C call without the GIL.
+def _watch_parent(parent_pid: int, interval: float, kernel_pid: int | None = None) -> None:
+    """Take this rank's group down when its parent exits, or the kernel (``kernel_pid``), if given.
+
+    PDEATHSIG alone kills only this process, and only when the parent *thread* ends; grandchildren
+    would be orphaned. This thread needs no signal delivery and works while the main thread sits
+    in a C call without the GIL. A rank an engine started watches the kernel too (its parent is the
+    engine's agent, which might outlive a SIGKILLed kernel and keep the GPUs).
+    """
     # The stack dump is for the main thread to take, so the dump's "current thread" is the rank's own.
     signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
     try:
-        pidfd = os.pidfd_open(parent_pid)
+        pidfds = [os.pidfd_open(parent_pid)] + ([os.pidfd_open(kernel_pid)] if kernel_pid else [])
+    except ProcessLookupError:  # one of them is gone already
+        _kill_own_group()
     except (AttributeError, OSError):  # an old kernel: look every ``interval`` instead
-        pidfd = None
-    if pidfd is not None:
+        pidfds = None
+    if pidfds is not None:
         import select
 
-        # Blocks until the parent exits: no wake-ups at all while a session rank idles for hours.
+        # Blocks until one exits: no wake-ups at all while a session rank idles for hours.
         if os.getppid() == parent_pid:  # (it may have died, and its pid been reused, before the open)
-            select.select([pidfd], [], [])
+            select.select(pidfds, [], [])
         _kill_own_group()
     while True:
-        if os.getppid() != parent_pid:
+        if os.getppid() != parent_pid or (kernel_pid and not os.path.exists(f"/proc/{kernel_pid}")):
             _kill_own_group()
         time.sleep(interval)
+
+
+def _started_at(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from ``/proc``; None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def kernel_to_watch(spec: RunSpec) -> int | None:
+    """The kernel's pid, for a rank an engine started on the kernel's machine; None elsewhere.
+
+    Only if that pid still is the kernel: a process that started after the run was made has reused
+    the number, and the kernel is gone already.
+    """
+    import socket
+
+    if not spec.parent_pid or spec.kernel_host != socket.gethostname():
+        return None
+    started = _started_at(spec.parent_pid)
+    if started is None or started > spec.created + 1.0:  # (btime has whole seconds)
+        _kill_own_group()
+    return spec.parent_pid
 
 
 def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, own_group: bool = True,
@@ -77,7 +112,12 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
         set_pdeathsig(PARENT_DIED_SIGNAL)
     if own_group and expected_parent and parent != expected_parent:
         _kill_own_group()  # the kernel died before we got here
-    threading.Thread(target=_watch_parent, args=(parent, 0.1), name="nbdist-parent-watch", daemon=True).start()
+    kernel = None if own_group else kernel_to_watch(spec)
+    threading.Thread(target=_watch_parent, args=(parent, 0.1, kernel), name="nbdist-parent-watch",
+                     daemon=True).start()
+    # The stop button is SIGINT: a rank turns it into KeyboardInterrupt, even when the kernel (a
+    # nohup'd script, a CI agent's background job) started with SIGINT ignored and passed that on.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # multiprocessing's bootstrap forced "spawn" as this rank's default. A rank should behave like
     # the kernel: on Linux a DataLoader forks, so a Dataset class defined in the cell just works.
     import multiprocessing

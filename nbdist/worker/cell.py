@@ -13,6 +13,7 @@ import ast
 import importlib
 import os
 import sys
+
 from nbdist.protocol.rundir import PULL_FILE
 
 __all__ = ["run_cell", "RESULT_NAME"]
@@ -48,9 +49,9 @@ def run_cell(cell_file: str, pushed: dict, modules: dict, pull: list):
     main.pop(RESULT_NAME, None)
     exec(compile(tree, cell_file, "exec"), main)
     if pull and int(os.environ.get("RANK", "0")) == 0:
-        from nbdist.protocol import rundir
-
         import pickle
+
+        from nbdist.protocol import rundir
 
         found = {n: rundir.dump_pickle_checked(main[n], f"pulled variable {n!r}") for n in pull if n in main}
         missing = [n for n in pull if n not in main]

@@ -112,11 +112,33 @@ def reset_fsdp_roots() -> int:
         try:
             root.reset_iter_state()
         except Exception:
-            for state in root._get_fsdp_state()._state_ctx.all_states:
-                for group in state._fsdp_param_groups:
-                    group._all_gather_result = None
+            for group in _param_groups(root):
+                group._all_gather_result = None
             root.reset_iter_state()
+        _reshard_every_param(root)
     return len(roots)
+
+
+def _param_groups(root) -> list:
+    return [group for state in root._get_fsdp_state()._state_ctx.all_states for group in state._fsdp_param_groups]
+
+
+def _reshard_every_param(root) -> None:
+    """Every parameter back to its shard, whatever its group believes.
+
+    ``reset_iter_state`` reshards a group only when the group's own state says it is not sharded.
+    The stop button is a KeyboardInterrupt that can land between any two bytecodes, also inside
+    FSDP2's loop that unshards a group's parameters one by one before it records the group as
+    unsharded: a parameter is then left unsharded in a group that says "sharded", and the next
+    forward fails its check ("Expects to be in one of (SHARDED, ...), not UNSHARDED").
+    """
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    for group in _param_groups(root):
+        for param in group.fsdp_params:
+            if param.sharded_state != ShardedState.SHARDED:
+                param.to_sharded()
+        group._sharded_state = ShardedState.SHARDED
 
 
 def reset_models() -> dict:

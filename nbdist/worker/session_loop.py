@@ -15,6 +15,7 @@ Standard library plus rundir.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,7 +24,7 @@ import threading
 from multiprocessing.connection import Client
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import CUT_REQUEST, SESSION_KEY_FILE, set_nodelay
+from nbdist.protocol.session_channel import CUT_REQUEST, SESSION_KEY_FILE, STOP_REQUEST, set_nodelay
 
 __all__ = ["serve_session", "set_names", "get_name", "count_collectives", "reform_groups", "reset_models"]
 
@@ -44,25 +45,57 @@ def _log_offsets() -> tuple[int, int]:
 
 
 _IN_USER_CODE = False
+_CELL_DIR: str | None = None  # the cell the main thread runs: a stop is for it only if its dir asks
 _STOPPED = False  # the stop button reached this cell (its error, if any, is the release's)
+_WRITING = False  # the main thread is writing a message to the kernel: a stop waits until it is whole
+_STOP_HELD = False  # a stop came while it wrote: raised the moment the message is out
 
 
 def _on_sigint(signum, frame):
     """The stop button interrupts the user's code and nothing else: one that comes while the rank
-    waits for a cell or reports one is dropped (the kernel only sends it to busy ranks)."""
-    global _STOPPED
-    if _IN_USER_CODE:
+    waits for a cell or reports one is dropped (the kernel only sends it to busy ranks), so is one
+    meant for an earlier cell that arrives late (the kernel asks in the cell's own dir), and one
+    that comes while user code writes to the kernel (a ``display()`` of a big figure goes as a
+    header and a body) is held until the message is whole, so the channel never tears."""
+    global _STOPPED, _STOP_HELD
+    if _IN_USER_CODE and _stop_asked(_CELL_DIR):
         _STOPPED = True
+        if _WRITING:
+            _STOP_HELD = True
+            return
         raise KeyboardInterrupt
+
+
+def _stop_asked(cell_dir: str | None) -> bool:
+    """Whether the kernel asked to stop the cell in ``cell_dir`` (it writes the request before the signal)."""
+    return cell_dir is not None and os.path.exists(os.path.join(cell_dir, STOP_REQUEST))
+
+
+@contextlib.contextmanager
+def _stop_held():
+    """Hold the stop button while this (main) thread writes one message; then let it through."""
+    global _WRITING, _STOP_HELD
+    if threading.current_thread() is not threading.main_thread():
+        yield  # the handler runs in the main thread only: a write here is never torn by it
+        return
+    _WRITING = True
+    try:
+        yield
+    finally:
+        _WRITING = False
+        if _STOP_HELD:
+            _STOP_HELD = False
+            if _IN_USER_CODE:
+                raise KeyboardInterrupt
 
 
 def _run_one(cell_dir: str, rank: int):
     """Run the cell's payload, interruptible; return ``(kind, body)`` for the kernel."""
-    global _IN_USER_CODE, _STOPPED
+    global _IN_USER_CODE, _STOPPED, _CELL_DIR
     from nbdist.worker.exceptions import describe_exception
 
     fn, args, kwargs, _extra = rundir.read_payload(cell_dir)
-    _STOPPED = False
+    _STOPPED, _CELL_DIR = False, cell_dir
     try:
         try:
             _IN_USER_CODE = True
@@ -97,7 +130,7 @@ def serve_session(session_dir: str, address) -> None:
     running = _RunningCell()  # the cell running now (its displays, and what a cut may touch)
 
     def send(message) -> None:
-        with lock:
+        with lock, _stop_held():
             conn.send(message)
 
     def send_display(data, metadata) -> None:

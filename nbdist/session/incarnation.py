@@ -1,0 +1,439 @@
+"""One incarnation of a session: one set of ranks, from their start to their end.
+
+A session's ranks are one long-lived :class:`nbdist.run.state.Run` whose payload is the cell loop
+of :mod:`nbdist.worker.session_loop`. Everything a run guarantees holds for them as it is: each
+rank in its own process group, death with the kernel, the marker that ``nbdist.ps()`` finds,
+complete log files, and a rank that *dies* takes the whole tree down (the incarnation is then
+"broken").
+
+Everything that belongs to those ranks lives here and nowhere else: their connections and pids,
+the cell that runs, its timer, the threads that read replies and bring the ranks in step, the
+link to other kernels. :meth:`nbdist.Session.restart` makes a new incarnation; the old one is
+ended, and whatever of it still runs (a late timer, a recovery thread, its reply reader) acts on
+its own ended state only, never on the new ranks.
+
+Two levels, and every step knows which it is in:
+
+* *cell* level (each cell a :class:`~nbdist.session.cell_handle.CellHandle`): a cell finishes,
+  fails or is interrupted; the ranks go back to idle with their namespaces kept. A rank left in a
+  collective is released, and every rank's process groups are then re-formed in place
+  (:mod:`nbdist.worker.reformable_groups`, :mod:`nbdist.session.recovery`) before the cell says
+  it is done.
+* *incarnation* level: a rank that died, or can't be brought back from C code within a few
+  seconds, ends the incarnation and its whole tree; its state is lost and the next cell says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from multiprocessing.connection import wait
+
+from nbdist.errors import LaunchConfigError, SessionLostError, format_rank_set
+from nbdist.options import WorldOptions
+from nbdist.protocol import rundir
+from nbdist.protocol.session_channel import SESSION_KEY_FILE
+from nbdist.run.events import TERMINAL, OutputChunk, RunEvent
+from nbdist.session.cell_handle import CellHandle
+from nbdist.session.peers import link_kernels, tell_world_gone
+from nbdist.session.rank_channel import RankListener
+from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
+                                     interrupt_ranks, recover, release_if_asked, stop_cell)
+from nbdist.worker.session_loop import serve_session
+
+__all__ = ["Incarnation", "default_start_timeout", "ENDED"]
+
+log = logging.getLogger(__name__)
+
+ENDED = ("broken", "closed")
+
+
+def default_start_timeout(nprocs: int) -> float:
+    """How long ranks may take to come up: spawned ones import torch, all of them on a busy box."""
+    return max(120.0, 4.0 * nprocs)
+
+
+class Incarnation:
+    """The ranks of a session from their start to their end, and everything that acts on them.
+
+    Made by :class:`nbdist.Session`; users hold the session, which always points at its current
+    incarnation. The constructor returns at once; the ranks come up on a thread.
+
+    Attributes
+    ----------
+    status : str
+        "starting", "idle", "busy", "broken" or "closed"; the last two are final.
+    session_id, run_dir : str
+        The marker of every process of this incarnation, and its record (logs, cells).
+    """
+
+    def __init__(self, options: WorldOptions, number: int, restart_hint: str, start_timeout: float | None = None):
+        from nbdist.launchers import choose_master_addr
+
+        engine = options.make_engine()
+        self.options, self.number, self.restart_hint = options, number, restart_hint
+        self.status, self.lost_reason = "starting", None
+        self.lock = threading.RLock()
+        self.conns: dict[int, object] = {}
+        self.pids: dict[int, int] = {}
+        self.remote: set[int] = set()  # ranks on other machines (srun, mpirun with hosts): never signalled
+        self.active: CellHandle | None = None
+        self.recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
+        self.send_lock = threading.Lock()
+        self.generation = 0  # of the ranks' process groups, one more per re-forming
+        self.reform_due = -1  # the generation another node's kernel re-forms from (nbdist.session.peers)
+        self.stopped_by: str | None = None  # that kernel's reason
+        self.told = threading.Condition(self.lock)  # notified when another kernel says it stopped
+        self.in_step = threading.Event()  # cleared while this node re-forms with the others
+        self.in_step.set()
+        self.world = None  # a session across kernels: its link to the others (nbdist.session.peers)
+        self.last_reform: dict | None = None  # each rank's timings of the last re-forming
+        self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
+        self._cells = 0
+        self.ready = threading.Event()
+        self.started_at, self.ready_after = time.monotonic(), None
+        self.nprocs = options.resolved_nprocs()
+        self.start_timeout = start_timeout or default_start_timeout(self.nprocs)
+        self.session_id = rundir.new_run_id()
+        self.run_dir = rundir.create_run_dir(self.session_id, options.run_dir)
+        try:
+            key = secrets.token_bytes(32)
+            rundir.write_private(os.path.join(self.run_dir, SESSION_KEY_FILE), key)
+            self.listener = RankListener(choose_master_addr(engine, options.master_addr), key, self.nprocs)
+        except BaseException:
+            rundir.discard_run_dir(self.run_dir)
+            raise
+        self.address = self.listener.address  # where the ranks connected (nothing listens once all are in)
+        self.rank_run = None
+        self.engine = engine  # torchrun's, for a world across kernels: its store is where they agree
+        self.launched = threading.Event()
+        # Starting processes takes a while with spawn: the constructor returns at once, and a cell
+        # sent meanwhile waits for the ranks.
+        threading.Thread(target=self._bring_up, args=(engine,), name=f"nbdist-session-{self.session_id}",
+                         daemon=True).start()
+
+    def __repr__(self) -> str:
+        return f"<nbdist session incarnation {self.number} {self.session_id} {self.status}>"
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ENDED
+
+    # ---- coming up ---------------------------------------------------------------------------
+    def _bring_up(self, engine) -> None:
+        from nbdist.run.start import start_run
+
+        if self.options.nnodes > 1:  # the link to the other kernels needs torch here: import it meanwhile
+            threading.Thread(target=__import__, args=("torch.distributed",), daemon=True).start()
+        try:
+            self.rank_run = start_run(serve_session, (self.run_dir, self.address), {}, self.options,
+                                      launcher=engine, run_id=self.session_id, run_dir=self.run_dir,
+                                      reformable=True)
+        except BaseException as exc:  # start-or-close already stopped what it started
+            with self.lock:
+                self.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
+                if self.status != "closed":
+                    self.status = "broken"
+            self.listener.close()
+            self.ready.set()
+            return
+        finally:
+            self.launched.set()
+        self.rank_run.subscribe(self._on_run_event)  # replayed: a run that ended already is seen too
+        self._accept_ranks()
+
+    def _expected_ranks(self) -> set[int]:
+        return {self.rank_run.global_rank(r) for r in self.rank_run.ranks}
+
+    def _accept_ranks(self) -> None:
+        """Take each rank's authenticated hello until all are in or the start deadline passes."""
+        here = socket.gethostname()
+
+        def on_hello(hello) -> None:
+            self.conns[hello.rank], self.pids[hello.rank] = hello.conn, hello.pid
+            if hello.host != here:  # a pid of another machine: never one to signal here
+                self.remote.add(hello.rank)
+
+        deadline = self.started_at + self.start_timeout
+        arrived = self.listener.accept_all(self.nprocs, deadline, on_hello, lambda: self.status == "starting")
+        self.listener.close()  # nothing more may connect
+        missing = sorted(self._expected_ranks() - arrived)
+        with self.lock:
+            up = self.status == "starting" and not missing
+            if up:
+                self.status = "idle"
+                self.ready_after = time.monotonic() - self.started_at
+                if self.options.nnodes > 1:  # only now: the world formed, the store there is this world's
+                    self.world = link_kernels(self, self.engine)
+        if self.status == "starting" and missing:
+            self._give_up_start(missing)
+            return
+        self.ready.set()
+        if up:
+            self._read_replies()
+
+    def _give_up_start(self, missing: list[int]) -> None:
+        """The start deadline passed: say which ranks never connected and where they were, then stop."""
+        from nbdist.run.stacks import dump_stacks
+
+        pids = {r: p for r, p in self.rank_run.local_pids().items() if r in missing}
+        dumps = dump_stacks({r: (pid, rundir.log_path(self.run_dir, r, "stderr")) for r, pid in pids.items()},
+                            timeout=2.0)
+        where: dict[str, list[int]] = {}
+        for rank in missing:
+            dump = dumps.get(rank)
+            said = dump.where if dump else ("had not registered" if rank not in self.rank_run.pids else
+                                            "left no stack" if rank in pids else "runs on another machine")
+            where.setdefault(said, []).append(rank)
+        places = "; ".join(f"{format_rank_set(ranks)} {said}" for said, ranks in where.items())
+        self.lose(f"the session could not start within {self.start_timeout:g} s: {format_rank_set(missing)} never connected "
+                  f"to the kernel ({places}; stacks in the rank logs under {self.run_dir}); on a busy machine give "
+                  f"more time with start_timeout= (%dist_start --start-timeout)")
+
+    # ---- replies -----------------------------------------------------------------------------
+    def _read_replies(self) -> None:
+        """The ranks' answers; no polling: blocks until one writes or goes away. Whatever one
+        reply does, the reader goes on (or ends the incarnation, saying why): a cell never hangs."""
+        conns = {id(c): r for r, c in self.conns.items()}
+        live = list(self.conns.values())
+        while live and not self.ended:
+            for conn in wait(live):
+                rank = conns[id(conn)]
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    live.remove(conn)  # that rank exited: the session run's monitor says why
+                    self.rank_run.saw_rank_go(rank)
+                    # Its socket closed first: the other nodes hear it now.
+                    tell_world_gone(self, f"was lost (rank {rank} ended)")
+                    continue
+                except Exception as exc:  # a message that can't be read: this rank's channel is not to be trusted
+                    live.remove(conn)
+                    self.lose(f"the session was stopped: a message from rank {rank} could not be read "
+                              f"({type(exc).__name__}: {exc}); its state is lost; {self.restart_hint}")
+                    continue
+                try:
+                    self._on_reply(rank, message)
+                except Exception as exc:  # nbdist's own bug: never a cell that waits for ever
+                    log.exception("nbdist: handling rank %s's reply failed", rank)
+                    self.lose(f"the session was stopped: nbdist failed on rank {rank}'s reply "
+                              f"({type(exc).__name__}: {exc}); its state is lost; {self.restart_hint}")
+
+    def _on_reply(self, rank: int, message) -> None:
+        cell = self.active
+        if cell is None or message[2] != cell.cell_id:
+            return
+        if message[0] == "started":
+            cell.record_start(rank, message[3])
+            return
+        if message[0] == "display":
+            cell.feed_display(rank, message[3], message[4])
+            return
+        _, _, _, kind, body, offsets = message
+        last = cell.record_done(rank, kind, body, offsets, self.pids.get(rank))
+        release_if_asked(self, cell, rank)
+        if last:
+            self._settle(cell)
+        elif (kind == "failed" or (kind == "interrupted" and not cell.stop_requested)) and not cell.internal:
+            # Its peers may wait for it in a collective (it raised, or raised KeyboardInterrupt by
+            # itself): release them as the stop button would.
+            threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
+                             daemon=True).start()
+
+    def _settle(self, cell: CellHandle) -> None:
+        self.rank_run.pump_output()  # the cell's output is in the logs before the cell says it is done
+        if cell.internal:
+            cell.finish()
+            return
+        if cell.failures or cell.interrupted or self.reform_due == self.generation:
+            with self.lock:
+                self.recovering = cell
+            # Not on this thread: it reads the ranks' replies, which bringing them in step needs.
+            threading.Thread(target=recover, args=(self, cell), daemon=True).start()
+            return
+        self.become_idle(cell)
+
+    def become_idle(self, cell: CellHandle) -> None:
+        """The cell is over and the ranks are in step: idle, then the cell says it is done."""
+        with self.lock:  # idle before the cell says it is done: the caller's next cell must find it so
+            if self.status == "busy":
+                self.status = "idle"
+            self.recovering = None
+        cell.finish()
+
+    def _on_run_event(self, event) -> None:
+        """The ranks' run ended by itself (a rank died, and the run took the whole tree down)."""
+        if isinstance(event, OutputChunk):
+            cell = self.active
+            if cell is not None:
+                cell.feed(event)  # each rank's log stays one file; the cell shows its own part of it
+            return
+        if not isinstance(event, RunEvent) or event.status not in TERMINAL:
+            return
+        if event.rank is not None:  # a rank ended: the run stops the tree next
+            tell_world_gone(self, f"was lost (rank {event.rank} ended)")
+            return
+        error = self.rank_run.error
+        with self.lock:
+            if self.status == "closed":
+                return
+            if self.lost_reason is None:
+                why = error.summary() if hasattr(error, "summary") else f"its ranks ended ({event.status})"
+                self.lost_reason = f"the session was lost: {why}; its state is gone; {self.restart_hint}"
+            self.status = "broken"
+        self.ready.set()
+        self.listener.close()
+        for cell in (self.active, self.recovering):
+            if cell is not None:
+                cell.lose(SessionLostError(self.lost_reason, error))
+
+    def lose(self, reason: str) -> None:
+        """End this incarnation, whole tree, because its ranks can't go on; ``reason`` is what every
+        later cell says."""
+        with self.lock:
+            if self.ended:
+                return
+            self.lost_reason = reason
+        tell_world_gone(self, "was stopped (a rank could not be brought back; its kernel says which)")
+        self.launched.wait(60)
+        if self.rank_run is not None:
+            self.rank_run.kill()  # -> _on_run_event: broken, the active cell lost
+        else:
+            with self.lock:
+                self.status = "broken"
+            self.ready.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the ranks: they leave their loop (atexit handlers run), then the tree is stopped."""
+        with self.lock:
+            if self.status == "closed":
+                return
+            was = self.status
+            self.status = "closed"
+        self.ready.set()
+        self.listener.close()
+        if self.world is not None:  # before the tree goes: node 0's agent hosts the store
+            self.world.close()
+        self.launched.wait(60)
+        if self.rank_run is None:  # it never started
+            return
+        if was in ("idle", "busy"):
+            for conn in list(self.conns.values()):
+                with contextlib.suppress(OSError), self.send_lock:
+                    conn.send(("close",))
+            if was == "busy" and self.active is not None:  # the cell is interrupted first; then "close"
+                busy = self.active.busy_ranks()  # still ours: the tree is stopped only below
+                interrupt_ranks(self.active, [self.pids[r] for r in busy if r in self.pids and r not in self.remote])
+            with contextlib.suppress(Exception):
+                self.rank_run.wait(timeout)
+        if not self.rank_run.done:
+            self.rank_run.kill()
+        for conn in list(self.conns.values()):
+            conn.close()
+        for cell in (self.active, self.recovering):
+            if cell is not None:
+                cell.lose(SessionLostError("the session was closed"))
+
+    def catch_up(self) -> None:
+        """Idle, re-form the world's groups with another node's kernel that stopped a cell."""
+        catch_up(self)
+
+    # ---- state -------------------------------------------------------------------------------
+    def local_pids(self, ranks) -> list[int]:
+        """The pids of ``ranks`` that run on this machine, while this incarnation lives: the ones a
+        signal may reach (an ended incarnation's pids may belong to someone else by now)."""
+        if self.ended:
+            return []
+        return [self.pids[r] for r in ranks if r in self.pids and r not in self.remote]
+
+    def ranks_elsewhere(self) -> list[int]:
+        """Ranks of the world that other kernels drive (a session across nodes, torchrun --nnodes)."""
+        if self.options.nnodes == 1:
+            return []
+        return sorted(set(range(self.nprocs * self.options.nnodes)) - set(self.pids))
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every rank is up (True; False on ``timeout``); raise SessionLostError if it can't serve."""
+        if not self.ready.wait(timeout):
+            return False
+        if self.status == "broken":
+            raise SessionLostError(self.lost_reason)
+        if self.status == "closed":
+            raise SessionLostError(f"the session was closed; {self.restart_hint}")
+        return True
+
+    # ---- cells -------------------------------------------------------------------------------
+    def prepare(self, ranks=None) -> list[int]:
+        """Wait until the ranks can take a cell; return the ranks it will run on.
+
+        Raises SessionLostError when they can't (lost, closed), RuntimeError while a cell runs.
+        """
+        self.wait_ready(self.start_timeout + 10)  # a cell sent while the ranks start waits for them
+        if self.status == "starting":
+            raise SessionLostError(f"the session's ranks did not come up within {self.start_timeout:g} s")
+        self.in_step.wait(CHECK_TIMEOUT_S + 10)  # and one sent while it re-forms with other nodes
+        targets = sorted(self.conns) if ranks is None else sorted(set(ranks))
+        unknown = [r for r in targets if r not in self.conns]
+        if unknown or not targets:
+            raise LaunchConfigError(f"ranks must be a subset of {format_rank_set(self.conns)}, got {ranks!r}")
+        if self.status == "busy":
+            raise RuntimeError(f"cell {self.active.cell_id} is still running in this session; "
+                               "wait for it or interrupt it")
+        if self.ended:
+            self.wait_ready(0)  # says why
+        return targets
+
+    def new_cell_dir(self) -> str:
+        """A private folder for the next cell's record (its payload, its source)."""
+        with self.lock:
+            self._cells += 1
+            cell_dir = os.path.join(self.run_dir, "cells", f"{self._cells:04d}")
+        os.makedirs(cell_dir, mode=0o700)
+        return cell_dir
+
+    def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False) -> CellHandle:
+        """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once.
+
+        ``internal``: nbdist's own call while it brings the ranks in step after a user's cell.
+        """
+        with self.lock:
+            if self.status != ("busy" if internal else "idle"):
+                raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
+            cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal)
+            self.status = "busy"
+        if timeout is not None:
+            cell.start_timer(timeout, self.interrupt_cell)
+        self.send(targets, ("cell", cell.cell_id, cell_dir))
+        return cell
+
+    def send(self, ranks, message) -> None:
+        """Write ``message`` to each of ``ranks`` (small tuples: one write each, never torn)."""
+        with self.send_lock:  # the stop button's thread and the cell's may both write
+            for rank in ranks:
+                self.conns[rank].send(message)
+
+    def interrupt_cell(self, cell: CellHandle, release_after: float = RELEASE_AFTER_S) -> None:
+        """SIGINT to every busy rank; release a rank left in a collective; a stuck one ends the
+        incarnation (:func:`nbdist.session.recovery.stop_cell`). Nothing, once it has ended."""
+        if cell.incarnation is not self or self.ended:
+            return
+        stop_cell(self, cell, release_after)
+
+    def dump_stacks(self, ranks) -> str:
+        """Each stuck rank's stack into its log (as a timeout does); where the first one stood."""
+        dumps = self.stacks(ranks, timeout=0.5)
+        first = dumps.get(ranks[0])
+        return f", {first.where}; stacks in the rank logs" if first is not None else ""
+
+    def stacks(self, ranks=None, timeout: float = 2.0) -> dict:
+        """Every local rank's Python stack, now, without stopping anything: ``{rank: StackDump}``."""
+        from nbdist.run.stacks import dump_stacks
+
+        ranks = sorted(self.pids) if ranks is None else ranks
+        pids = dict(zip([r for r in ranks if r in self.pids and r not in self.remote], self.local_pids(ranks)))
+        return dump_stacks({r: (pid, rundir.log_path(self.run_dir, r, "stderr")) for r, pid in pids.items()}, timeout)

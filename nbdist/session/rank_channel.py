@@ -1,0 +1,136 @@
+"""Where a session's ranks connect to the kernel: a listener sized for the world, a handshake per rank
+that can't hold up the others, and a deadline that says who never came.
+
+``multiprocessing.connection.Listener`` listens with a backlog of 1 and runs the HMAC handshake
+inside ``accept()``: eight ranks connecting at once overflow the queue (the dropped ones believe
+they are connected and wait for a challenge for ever), and one silent peer blocks every rank
+behind it. So the socket here listens with a backlog that fits the world, each accepted connection
+is authenticated on a thread of its own with a deadline (``deliver_challenge``/``answer_challenge``,
+the same HMAC exchange ``Listener`` and ``Client`` make), and the accept loop itself waits with a
+deadline. Nothing listens once every rank is in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+from nbdist.protocol.session_channel import set_nodelay
+
+__all__ = ["RankHello", "RankListener", "HANDSHAKE_TIMEOUT_S"]
+
+HANDSHAKE_TIMEOUT_S = 20.0  # a rank that connected says hello within milliseconds; a busy box, seconds
+
+
+@dataclass
+class RankHello:
+    """A rank that connected and proved it holds the session's key."""
+
+    rank: int
+    pid: int
+    host: str
+    conn: Connection
+
+
+class RankListener:
+    """Accept ``nprocs`` authenticated ranks on ``(host, 0)``; see the module's docstring.
+
+    Examples
+    --------
+    >>> listener = RankListener("127.0.0.1", key, nprocs=8)
+    >>> listener.accept_all(deadline, on_hello=register, keep_going=lambda: status == "starting")
+    """
+
+    def __init__(self, host: str, key: bytes, nprocs: int):
+        self._key = key
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._sock.bind((host, 0))
+            # Every rank may connect in the same millisecond: the queue holds them all.
+            self._sock.listen(max(64, 2 * nprocs))
+        except BaseException:
+            self._sock.close()
+            raise
+        self.address = self._sock.getsockname()[:2]
+        self.refused = 0  # connections that failed the handshake (a wrong key, a port scanner)
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def accept_all(self, nprocs: int, deadline: float, on_hello, keep_going) -> set[int]:
+        """Accept until ``nprocs`` distinct ranks said hello (each reported through ``on_hello``),
+        ``deadline`` (monotonic) passes, or ``keep_going()`` turns False; return the ranks that did."""
+        arrived: set[int] = set()
+        done = threading.Condition()
+
+        def greeted(hello: RankHello) -> None:
+            with done:
+                if hello.rank in arrived or not keep_going():
+                    hello.conn.close()
+                    return
+                arrived.add(hello.rank)
+                on_hello(hello)
+                done.notify_all()
+
+        while len(arrived) < nprocs and keep_going() and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                readable, _, _ = select.select([self._sock], [], [], min(left, 0.5))
+            except (OSError, ValueError):  # closed under us
+                break
+            if not readable:
+                continue
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._greet, args=(client, greeted), name="nbdist-session-handshake",
+                             daemon=True).start()
+        with done:  # handshakes in flight finish (or time out) within their own deadline
+            done.wait_for(lambda: len(arrived) >= nprocs or not keep_going(),
+                          timeout=max(0.0, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+            return set(arrived)
+
+    def _greet(self, client: socket.socket, greeted) -> None:
+        """The HMAC handshake both ways, then the rank's hello; a peer that is silent past the
+        deadline has its socket shut down, which ends the wait here and nowhere else."""
+        conn = Connection(client.detach())
+        timer = threading.Timer(HANDSHAKE_TIMEOUT_S, _shut_down, args=(conn,))
+        timer.daemon = True
+        timer.start()
+        try:
+            deliver_challenge(conn, self._key)
+            answer_challenge(conn, self._key)
+            kind, rank, pid, host = conn.recv()
+            if kind != "hello":
+                raise ValueError(f"expected a hello, got {kind!r}")
+        except Exception:  # a wrong key, a peer that went away or stayed silent: it is not a rank of ours
+            with self._lock:
+                self.refused += 1
+            conn.close()
+            return
+        finally:
+            timer.cancel()
+        set_nodelay(conn)
+        greeted(RankHello(int(rank), int(pid), str(host), conn))
+
+    def close(self) -> None:
+        """Stop listening: nothing else may connect (an accept in progress ends at once)."""
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+def _shut_down(conn: Connection) -> None:
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=conn.fileno())
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.detach()  # the Connection still owns the descriptor

@@ -1,0 +1,80 @@
+"""Sessions and runs of 8, 16 and 32 ranks on this 2-core box (the 8-GPU workstation and beyond), and a
+session whose rank never connects, which says so within its deadline instead of "starting" for ever."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import rankfns
+from conftest import marked_pids, wait_for
+
+import nbdist
+from nbdist.errors import SessionLostError, WorkerFailedError
+
+ONES = "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nprocs", [8, 16, 32])
+def test_a_session_of_many_ranks_starts_takes_collectives_and_recovers(nprocs, warm_template):
+    t0 = time.monotonic()
+    with nbdist.Session(nprocs=nprocs, start_method="warm") as s:
+        assert s.wait_ready(240) and len(s.pids) == nprocs
+        up = time.monotonic() - t0
+        assert s.execute(ONES, timeout=120) == {r: float(nprocs) for r in range(nprocs)}
+        # One rank raises while all the others wait in a barrier: released, re-formed, the error in seconds.
+        t1 = time.monotonic()
+        with pytest.raises(WorkerFailedError) as info:
+            s.execute(f"import time\nif dist.get_rank() == {nprocs - 1}:\n    time.sleep(0.3)\n    raise ValueError('last')\n"
+                      "dist.barrier()", timeout=120)
+        assert info.value.rank == nprocs - 1 and "re-formed in place" in str(info.value), str(info.value)
+        took = time.monotonic() - t1
+        assert s.status == "idle" and s.execute(ONES, timeout=120) == {r: float(nprocs) for r in range(nprocs)}
+        sid = s.session_id
+    print(f"{nprocs}-rank session: up in {up:.1f} s, a raise with {nprocs - 1} peers waiting -> error in {took:.2f} s")
+    assert not marked_pids(sid)
+
+
+def test_an_8_rank_spawned_session_starts(start_method):
+    with nbdist.Session(nprocs=8) as s:
+        assert s.wait_ready(240)
+        assert s.execute(ONES, timeout=120) == {r: 8.0 for r in range(8)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nprocs", [8, 16, 32])
+def test_a_run_of_many_ranks(nprocs, warm_template):
+    total = float(nprocs * (nprocs + 1) // 2)
+    assert nbdist.launch(rankfns.rank_sum, nprocs=nprocs, start_method="warm") == {r: total for r in range(nprocs)}
+    run = nbdist.launch(rankfns.fail_on, nprocs - 1, "raise", nprocs=nprocs, join=False, start_method="warm")
+    with pytest.raises(WorkerFailedError) as info:
+        run.wait(120)
+    assert info.value.rank == nprocs - 1 and not marked_pids(run.run_id)
+
+
+@pytest.mark.parametrize("start", ["spawn", "warm"])
+def test_a_session_whose_rank_never_connects_says_which_and_where_within_its_deadline(start, warm_template):
+    """A rank frozen (SIGSTOP) as it starts: its peers wait for it in the process group's start and
+    none of them connects. At the deadline the session says which ranks never connected and where
+    they were, and stops the tree; never "starting" for ever."""
+    t0 = time.monotonic()
+    s = nbdist.Session(nprocs=2, start_method=start, start_timeout=12)
+    try:
+        wait_for(lambda: s.rank_run is not None and 1 in s.rank_run.pids, 30, what="rank 1 to exist")
+        frozen = s.rank_run.pids[1]
+        os.kill(frozen, signal.SIGSTOP)
+        with pytest.raises(SessionLostError) as info:
+            s.wait_ready(60)
+        took = time.monotonic() - t0
+        text = str(info.value)
+        assert "could not start within 12 s" in text and "never connected" in text, text
+        assert "rank 1 left no stack" in text, text
+        assert "start_timeout=" in text and s.status == "broken", text
+        assert took < 30, took
+        wait_for(lambda: not marked_pids(s.session_id), 10, what="the session's tree to go")
+    finally:
+        s.close()
+    print(f"a rank that never connects -> said in {took:.1f} s: {text}")

@@ -1,0 +1,55 @@
+"""Soak: seeded random walks of sessions and one-shot runs, invariants checked at every step
+(tests/walks.py). A short walk runs on a fixed seed and on a random one (its seed is printed:
+``NBDIST_SOAK_SEED=N`` replays it); long walks are marked slow (``pytest -m slow``). A seed that
+found a fault becomes a regression test below."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+from walks import RunWalk, SessionWalk
+
+pytestmark = pytest.mark.usefixtures("warm_template")
+
+FIXED_SEED = 20261203
+# Seeds that once found a fault, kept as regressions (the fault, and where it was fixed, beside each).
+REGRESSIONS: list[int] = []
+
+
+def _random_seed() -> int:
+    seed = int(os.environ.get("NBDIST_SOAK_SEED") or random.SystemRandom().randrange(1 << 30))
+    print(f"soak seed: {seed} (NBDIST_SOAK_SEED={seed} replays it)")
+    return seed
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("which", ["fixed", "random"])
+def test_a_short_session_walk(which):
+    SessionWalk(FIXED_SEED if which == "fixed" else _random_seed(), "warm").run(60)
+
+
+@pytest.mark.timeout(600)
+def test_a_short_run_walk():
+    RunWalk(_random_seed(), "warm").run(25)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", REGRESSIONS)
+def test_a_walk_that_once_failed(seed):
+    SessionWalk(seed, "warm").run(60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(7200)
+@pytest.mark.parametrize("start_method", ["spawn", "warm"])
+def test_a_long_session_walk(start_method):
+    SessionWalk(_random_seed(), start_method).run(1000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("start_method", ["spawn", "warm"])
+def test_a_long_run_walk(start_method):
+    RunWalk(_random_seed(), start_method).run(200)
