@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 
 from nbdist.errors import LaunchConfigError
+from nbdist.launchers.cuda_watch import watch_cuda_init
 from nbdist.options import BACKENDS, WorldOptions, default_nprocs
 from nbdist.protocol.world import detect_world
 from nbdist.run import teardown
@@ -95,10 +96,8 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
 
     if not callable(fn):
         raise LaunchConfigError(f"fn must be callable, got {type(fn).__name__}")
-    options = WorldOptions(nprocs=nprocs, launcher=launcher, backend=backend, dist_url=dist_url,
-                           init_process_group=init_process_group, timeout=timeout, env=env, start_method=start_method,
-                           run_dir=run_dir, stop_timeout=stop_timeout, launcher_args=launcher_args, nnodes=nnodes,
-                           node_rank=node_rank, master_addr=master_addr, master_port=master_port).check()
+    options = WorldOptions.from_call(locals()).check()
+    watch_cuda_init()  # from now on, a fork refusal can say where CUDA was first initialised
     world = detect_world() if launcher in ("auto", "attach") else None
     if launcher == "attach" and world is None:
         raise LaunchConfigError("launcher='attach' needs a torchrun, MPI or Slurm world of more than one rank around this process")
@@ -145,7 +144,7 @@ def kill(run_id: str | None = None, timeout: float = 3.0, all: bool = False) -> 
     3
     >>> nbdist.kill("20991231-120000-abcdef")   # one run, whoever's it is
     """
-    from nbdist.run.state import _LIVE_RUNS
+    from nbdist.run.state import live_runs
 
     def in_scope(p) -> bool:
         if run_id is not None or p.orphaned:
@@ -154,8 +153,8 @@ def kill(run_id: str | None = None, timeout: float = 3.0, all: bool = False) -> 
 
     found = [p for p in find_marked(run_id) if in_scope(p)]
     stopped = 0
-    for run in list(_LIVE_RUNS):  # runs of this kernel: stop them through their Run, which reaps
-        if run_id in (None, run.run_id) and not run.done:
+    for run in live_runs():  # runs of this kernel: stop them through their Run, which reaps
+        if run_id in (None, run.run_id):
             mine = [p for p in found if p.run_id == run.run_id]
             report = run.kill()
             stopped += len(mine) - len(report.survivors) if report else len(mine)

@@ -76,6 +76,17 @@ class RankFailure:
     secondary: bool = False  # a consequence of another rank's death (peer closed the connection)
     stack: str | None = None  # every thread's stack when a timeout stopped the rank (faulthandler's dump)
 
+    @classmethod
+    def from_record(cls, rank: int, pid, info: dict, exitcode=None, signal_name=None) -> RankFailure:
+        """From the error record a rank left (``error.{R}.json``, a session's reply, an attached
+        rank's gather): what :func:`nbdist.worker.exceptions.describe_exception` wrote."""
+        import time
+
+        return cls(rank=rank, pid=info.get("pid", pid) if pid is None else pid, exitcode=exitcode,
+                   signal_name=signal_name, traceback=info.get("traceback"), user_traceback=info.get("user_traceback"),
+                   exc_type=info.get("exc_type"), message=info.get("message"), hint=info.get("hint"),
+                   time=info.get("time", time.time()), secondary=info.get("secondary", False))
+
     def describe(self) -> str:
         """One line: how this rank ended."""
         if self.stack is not None or (self.message and "timeout expired" in self.message):

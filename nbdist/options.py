@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from nbdist.errors import LaunchConfigError
 
@@ -22,8 +22,6 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi", "ucc", "xccl")
 MAX_NPROCS_ENV = "NBDIST_MAX_NPROCS"  # how a user insists on more local ranks than the check allows
 # Engines that place ranks themselves (a hostfile, an allocation): the count is theirs to judge.
 _PLACED_ELSEWHERE = ("mpirun", "srun")
-# Magic flags whose names are not "--" + the field name.
-_FLAGS = {"start_method": "--start", "init_process_group": "--no-init"}
 
 
 def default_nprocs() -> int:
@@ -52,9 +50,19 @@ def _is_int(value, low: int) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Integral) and value >= low
 
 
+def _option(default, help: str = "", flags=None, session: bool = True, shape: bool = False, **argparse_kw):
+    """A world option: its default, and how ``%%distributed``/``%dist_start`` spell it (``flags`` None: not a
+    flag of the magics). ``session``: also a :class:`nbdist.Session` argument. ``shape``: it defines the
+    world, so a session cell may not ask for another value than the session's."""
+    meta = {"help": help, "flags": flags, "session": session, "shape": shape, "argparse": argparse_kw}
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class WorldOptions:
-    """The ranks of a run: how many, started how, meeting where.
+    """The ranks of a run: how many, started how, meeting where. Defined here once: ``launch``,
+    ``Session``, ``%%distributed`` and ``%dist_start`` all read these fields (and the magics' flags,
+    defaults and help come from their metadata).
 
     The fields are :func:`nbdist.launch`'s keyword arguments of the same names (see there).
 
@@ -65,37 +73,79 @@ class WorldOptions:
     4
     """
 
-    nprocs: int | None = None
-    launcher: str = "auto"
-    backend: str = "auto"
-    dist_url: str = "auto"
-    init_process_group: bool = True
-    timeout: float | None = None
-    env: dict | None = None
-    start_method: str | None = None
-    run_dir: str | None = None
-    stop_timeout: float = 5.0
-    launcher_args: list | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None
-    master_port: int | None = None
+    nprocs: int | None = _option(None, "number of ranks (default: the number of GPUs, or 2 without one)",
+                                 ("-n", "--nprocs"), shape=True, type=int)
+    launcher: str = _option("auto", "auto, spawn, attach, torchrun, mpirun or srun", ("--launcher",), shape=True)
+    backend: str = _option("auto", "auto (nccl with CUDA, else gloo), gloo or nccl", ("--backend",), shape=True)
+    dist_url: str = _option("auto", session=False)
+    init_process_group: bool = _option(True, "don't initialise the process group", ("--no-init",), session=False,
+                                       action="store_false", dest="init_process_group")
+    timeout: float | None = _option(None, "seconds; then dump every rank's stack and stop", session=False)
+    env: dict | None = _option(None, "environment for the ranks", ("--env",), nargs="+", action="append",
+                               metavar="K=V")
+    start_method: str | None = _option(None, "how the ranks are made (default: warm once the template is ready, "
+                                       "else spawn)", ("--start",), choices=("warm", "spawn", "fork"),
+                                       dest="start_method")
+    run_dir: str | None = _option(None, "folder for the run dir (default $NBDIST_RUN_DIR or a private temp dir)",
+                                  ("--run-dir",))
+    stop_timeout: float = _option(5.0, session=False)
+    launcher_args: list | None = _option(None, "extra engine arguments, quoted: --launcher-args '--hostfile h'",
+                                         ("--launcher-args",))
+    nnodes: int = _option(1, "torchrun: nodes (kernels) in the world; srun: -N", ("--nnodes",), shape=True, type=int)
+    node_rank: int = _option(0, "torchrun: this kernel's node", ("--node-rank",), shape=True, type=int)
+    master_addr: str | None = _option(None, "where ranks reach the kernel (default 127.0.0.1, or this machine's "
+                                      "address when ranks may run elsewhere); torchrun: node 0's address",
+                                      ("--master-addr",))
+    master_port: int | None = _option(None, "torchrun with --nnodes > 1: the rendezvous port", ("--master-port",),
+                                      type=int)
     # How errors name an option: "api" (``nprocs=0``) or "magic" (``--nprocs 0``).
     spelling: str = field(default="api", repr=False, compare=False)
 
     @classmethod
+    def names(cls, session_only: bool = False) -> tuple[str, ...]:
+        """The options' names (those a Session takes, with ``session_only``)."""
+        return tuple(f.name for f in fields(cls) if "help" in f.metadata and (f.metadata["session"] or not session_only))
+
+    @classmethod
+    def from_call(cls, arguments: dict) -> WorldOptions:
+        """From a call's ``locals()`` (``launch``, ``Session``): the options among them, unchecked."""
+        return cls(**{name: arguments[name] for name in cls.names() if name in arguments})
+
+    @classmethod
+    def magic_flags(cls, exclude=()) -> list[tuple[tuple, dict]]:
+        """``(flags, argparse keywords)`` of each option the magics take, for IPython's ``argument``."""
+        out = []
+        for f in fields(cls):
+            meta = f.metadata
+            if not meta.get("flags") or f.name in exclude:
+                continue
+            kw = dict(meta["argparse"], help=meta["help"])
+            if kw.get("action") != "store_false":
+                kw.setdefault("default", [] if kw.get("action") == "append" else
+                              "" if f.name == "launcher_args" else f.default)
+            out.append((meta["flags"], kw))
+        return out
+
+    @classmethod
+    def shape_defaults(cls) -> dict:
+        """The options that define a world, with their defaults (a session cell's flags must match its session)."""
+        return {f.name: f.default for f in fields(cls) if f.metadata.get("shape")}
+
+    @classmethod
     def from_magic_args(cls, args) -> WorldOptions:
-        """From ``%%distributed`` flags (parsed by IPython's magic_arguments), unchecked."""
-        return cls(nprocs=args.nprocs, launcher=args.launcher, backend=args.backend,
-                   init_process_group=not getattr(args, "no_init", False), timeout=getattr(args, "timeout", None),
-                   env=None, start_method=args.start, run_dir=args.run_dir,
-                   launcher_args=shlex.split(args.launcher_args or "") or None, nnodes=args.nnodes,
-                   node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                   spelling="magic")
+        """From ``%%distributed``/``%dist_start`` flags (parsed by IPython's magic_arguments), unchecked.
+
+        ``--env K=V`` pairs are parsed by the front end (:func:`nbdist.frontend.cell_job.world_options`).
+        """
+        given = {name: getattr(args, name) for name in cls.names() if hasattr(args, name)}
+        given["launcher_args"] = shlex.split(given.get("launcher_args") or "") or None
+        given["env"] = None
+        return cls(**given, spelling="magic")
 
     def _name(self, option: str) -> str:
         if self.spelling == "magic":
-            return _FLAGS.get(option, "--" + option.replace("_", "-"))
+            flags = next(f.metadata.get("flags") for f in fields(self) if f.name == option)
+            return flags[-1] if flags else "--" + option.replace("_", "-")
         return option
 
     def check(self) -> WorldOptions:
@@ -157,6 +207,4 @@ class WorldOptions:
 
     def session_kwargs(self) -> dict:
         """The keyword arguments of :class:`nbdist.Session` these options stand for."""
-        names = ("nprocs", "launcher", "backend", "env", "run_dir", "launcher_args", "nnodes", "node_rank",
-                 "master_addr", "master_port", "start_method")
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in self.names(session_only=True)}

@@ -184,3 +184,12 @@ def spin(seconds=120):
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         pass
+
+
+def hold_gpu_memory(mib):
+    """Hold ``mib`` MiB on this rank's GPU, say so in the run dir, and wait to be stopped."""
+    block = torch.empty(mib * 2**20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    open(os.path.join(os.environ["NBDIST_RUN_DIR"], "holding"), "w").close()
+    time.sleep(600)
+    return block.numel()

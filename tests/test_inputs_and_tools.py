@@ -111,6 +111,26 @@ def test_fork_after_cuda_is_refused(monkeypatch):
     assert not _children()
 
 
+def test_the_fork_refusal_names_where_cuda_was_first_initialised(monkeypatch):
+    """nbdist watches torch's lazy CUDA init and names the first caller (a notebook cell's line). No GPU
+    here: CUDA's own init fails on this CPU build after the watch saw the call, and its state is faked."""
+    import torch
+
+    from nbdist.launchers import cuda_watch
+
+    monkeypatch.setattr(cuda_watch, "_FIRST", {"where": None})
+    monkeypatch.setattr(torch.cuda, "_lazy_init", torch.cuda._lazy_init)  # put back after the test
+    assert cuda_watch.watch_cuda_init()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda._lazy_init()  # as ".cuda()" would call it (the CPU build can't go on)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(LaunchConfigError) as info:
+        nbdist.launch(lambda: 1, nprocs=2, start_method="fork")
+    text = str(info.value)
+    assert "(first by " in text and "test_inputs_and_tools.py, line" in text and "torch.cuda._lazy_init()" in text, text
+    assert "\n" not in text
+
+
 @pytest.mark.parametrize(
     "env, kind, size",
     [

@@ -478,7 +478,7 @@ def test_output_of_remote_ranks_streams_over_the_authenticated_channel(tmp_path,
         assert [line for s, line in out.lines if s == "stdout"] == [f"line {i} from rank {rank}" for i in range(20)]
         assert [line for s, line in out.lines if s == "stderr"] == [f"to stderr from rank {rank}"]
         sizes = sum(os.path.getsize(os.path.join(run.run_dir, f"rank{rank}.{s}")) for s in ("stdout", "stderr"))
-        assert out.bytes_from_channel == sizes, "the log files hold exactly what was streamed"
+        assert sum(f.fed for f in out.followers.values()) == sizes, "the log files hold exactly what was streamed"
 
 
 def test_a_rank_on_the_kernels_machine_does_not_mirror(monkeypatch):

@@ -9,7 +9,6 @@ Everything that can be refused is refused before any process exists, in one line
 from __future__ import annotations
 
 import os
-import re
 import types
 from dataclasses import dataclass, field
 
@@ -24,41 +23,26 @@ from nbdist.protocol.rundir import PULL_FILE
 from nbdist.worker.cell import run_cell
 
 __all__ = ["CellJob", "prepare_cell", "write_cell", "start_cell", "finish_cell", "run_attached_cell", "attached_world",
-           "world_arguments", "world_options", "split_names"]
-
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-_WORLD_ARGUMENTS = [
-    argument("-n", "--nprocs", type=int, default=None,
-             help="number of ranks (default: the number of GPUs, or 2 without one)"),
-    argument("--launcher", default="auto", help="auto, spawn, attach, torchrun, mpirun or srun"),
-    argument("--launcher-args", default="", help="extra engine arguments, quoted: --launcher-args '--hostfile h'"),
-    argument("--nnodes", type=int, default=1, help="torchrun: nodes (kernels) in the world; srun: -N"),
-    argument("--node-rank", type=int, default=0, help="torchrun: this kernel's node"),
-    argument("--master-addr", default=None,
-             help="where ranks reach the kernel (default 127.0.0.1, or this machine's address when ranks may run "
-                  "elsewhere); torchrun: node 0's address"),
-    argument("--master-port", type=int, default=None, help="torchrun with --nnodes > 1: the rendezvous port"),
-    argument("--backend", default="auto", help="auto (nccl with CUDA, else gloo), gloo or nccl"),
-    argument("--env", nargs="+", action="append", default=[], metavar="K=V", help="environment for the ranks"),
-    argument("--start", default=None, choices=("warm", "spawn", "fork"),
-             help="how the ranks are made (default: warm once the template is ready, else spawn)"),
-    argument("--run-dir", default=None, help="folder for the run dir (default $NBDIST_RUN_DIR or a private temp dir)"),
-]
-
+           "world_arguments", "session_world_arguments", "world_options", "split_names"]
 
 def world_arguments(func):
-    """The world options, as flags: one list for ``%%distributed`` and ``%dist_start``."""
-    for arg in reversed(_WORLD_ARGUMENTS):
-        func = arg(func)
+    """The world options as flags of ``%%distributed``, from their one definition (:class:`WorldOptions`)."""
+    for flags, kw in reversed(WorldOptions.magic_flags()):
+        func = argument(*flags, **kw)(func)
+    return func
+
+
+def session_world_arguments(func):
+    """The same for ``%dist_start``: a session's ranks always join their process group."""
+    for flags, kw in reversed(WorldOptions.magic_flags(exclude=("init_process_group",))):
+        func = argument(*flags, **kw)(func)
     return func
 
 
 def world_options(args) -> WorldOptions:
     """The checked WorldOptions of parsed magic flags; a bad one is a one-line UsageError."""
     options = WorldOptions.from_magic_args(args)
-    options.env = _parse_env(args.env)
+    options.env = _parse_env(args.env) or None
     try:
         return options.check()
     except LaunchConfigError as exc:
@@ -84,7 +68,7 @@ class CellJob:
 
 def split_names(text: str, option: str) -> list[str]:
     names = [n.strip() for n in (text or "").split(",") if n.strip()]
-    bad = [n for n in names if not _IDENT.match(n)]
+    bad = [n for n in names if not n.isidentifier()]
     if bad:
         raise UsageError(f"{option} takes comma-separated variable names, got {', '.join(map(repr, bad))}")
     return names
@@ -94,7 +78,7 @@ def _parse_env(items) -> dict:
     env = {}
     for item in [x for group in (items or []) for x in group]:
         key, sep, value = item.partition("=")
-        if not sep or not _IDENT.match(key):
+        if not sep or not key.isidentifier():
             raise UsageError(f"--env takes KEY=VALUE pairs, got {item!r}")
         env[key] = value
     return env
@@ -207,7 +191,7 @@ def run_attached_cell(shell, job: CellJob):
     from nbdist.api import launch
 
     results = launch(run_cell, job.cell_file, {}, {}, [], launcher="attach", backend=job.args.backend,
-                     init_process_group=not job.args.no_init)
+                     init_process_group=job.args.init_process_group)
     return results.get(0)
 
 

@@ -19,14 +19,15 @@ import contextlib
 import html
 import os
 import re
+import threading
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbdist.api import kill, ps
-from nbdist.frontend.cell_job import (attached_world, finish_cell, prepare_cell, run_attached_cell, start_cell,
-                                      world_arguments, world_options)
+from nbdist.frontend.cell_job import (attached_world, finish_cell, prepare_cell, run_attached_cell,
+                                      session_world_arguments, start_cell, world_arguments, world_options)
 from nbdist.frontend.cli import describe_template, format_table, sort_procs
 from nbdist.frontend.views import FLUSH_INTERVAL, make_view
 from nbdist.protocol import rundir
@@ -34,7 +35,6 @@ from nbdist.run.retention import describe_retention
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _CELL_HEAD = re.compile(r"^%%distributed(\s|$)")
 
 
@@ -152,7 +152,6 @@ class DistributedMagics(Magics):
     @argument("--bg", action="store_true", help="return at once; use _dist.wait() / _dist.kill() later")
     @argument("--push", default="", help="comma-separated notebook variables to send besides those the cell reads")
     @argument("--pull", default="", help="comma-separated variables to bring back from rank 0")
-    @argument("--no-init", action="store_true", help="don't initialise the process group")
     @argument("--view", default="auto", choices=("auto", "widget", "text"), help="how to show the ranks' output")
     @argument("--ranks", default=None, help="in a session: comma-separated ranks to run on (the others stay idle)")
     @argument("--fresh", action="store_true", help="run on new one-shot ranks even while a session is live")
@@ -175,7 +174,7 @@ class DistributedMagics(Magics):
         return run_cell_sync(self.shell, line, cell)
 
     @magic_arguments()
-    @world_arguments
+    @session_world_arguments
     @argument("--start-timeout", type=float, default=None,
               help="seconds the ranks may take to come up (default 120, or 4 per rank); then it says which did not")
     @line_magic
@@ -266,7 +265,7 @@ class DistributedMagics(Magics):
             print(f"nbdist: warm start is off for this kernel until %dist_warm{tail}")
             return None
         modules = [w for w in words if not w.startswith("-")]
-        bad = [m for m in modules if not all(_IDENT.match(part) for part in m.split("."))]
+        bad = [m for m in modules if not all(part.isidentifier() for part in m.split("."))]
         if bad:
             raise UsageError(f"%dist_warm takes module names, got {', '.join(map(repr, bad))}")
         template = warm.warm(preload=modules, refresh="--refresh" in words, wait=True)
@@ -333,10 +332,21 @@ def _procs_html(procs) -> str:
     return f"<table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}</table>{notes}"
 
 
+def _import_torch_and_watch_cuda() -> None:
+    """The kernel hosts each run's store with torch: import it now, off the main thread, so the first
+    cell doesn't pay for it (it starts no CUDA context); then watch who first initialises CUDA."""
+    import torch.distributed  # noqa: F401
+
+    from nbdist.launchers.cuda_watch import watch_cuda_init
+
+    watch_cuda_init()
+
+
 def load_ipython_extension(ipython) -> None:
     from nbdist.warmstart.handle import start_in_background
 
     ipython.register_magics(DistributedMagics)
+    threading.Thread(target=_import_torch_and_watch_cuda, name="nbdist-import-torch", daemon=True).start()
     start_in_background()  # the template imports torch while the user writes the first cell
     if _rewrite_distributed_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(_rewrite_distributed_cell)

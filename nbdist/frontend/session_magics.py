@@ -15,6 +15,7 @@ from IPython.core.error import UsageError
 
 from nbdist.errors import LaunchConfigError, SessionLostError
 from nbdist.frontend.cell_source import CellSource, find_defined_names
+from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
 from nbdist.session.handle import Session
 from nbdist.worker.cell import run_cell
@@ -24,8 +25,6 @@ __all__ = ["live_session", "start_session", "stop_session", "restart_session", "
 
 _SESSION: Session | None = None
 MAGIC_RESTART_HINT = "%dist_restart brings new ranks"
-# Flags whose value in a cell must match the live session's (None: the flag's default, "any").
-_WORLD_FLAGS = {"nprocs": None, "launcher": "auto", "backend": "auto", "nnodes": 1, "node_rank": 0}
 
 
 def live_session() -> Session | None:
@@ -141,7 +140,9 @@ def _ranks_html(session: Session) -> str:
 
 
 def _check_same_world(session: Session, args) -> None:
-    asked = {name: getattr(args, name) for name, default in _WORLD_FLAGS.items() if getattr(args, name) != default}
+    # The flags that define a world: a cell's must match the live session's (a default means "any").
+    shape = WorldOptions.shape_defaults()
+    asked = {name: getattr(args, name) for name, default in shape.items() if getattr(args, name) != default}
     differ = [f"--{k.replace('_', '-')} {v}" for k, v in asked.items() if getattr(session.options, k) != v
               and not (k == "nprocs" and v == session.nprocs)]
     if differ:

@@ -169,11 +169,7 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
         if ok:
             results[r] = pickle.loads(data)
         else:
-            failures[r] = RankFailure(
-                rank=r, pid=data.get("pid"), exitcode=None, traceback=data["traceback"],
-                user_traceback=data.get("user_traceback"), exc_type=data["exc_type"],
-                message=data["message"], hint=data.get("hint"), time=data["time"], secondary=data["secondary"],
-            )
+            failures[r] = RankFailure.from_record(r, None, data)
     if failures:
         raise WorkerFailedError(failures, results)
     return results

@@ -10,6 +10,7 @@ even our descendants: the teardown finds them by the run's marker.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import functools
 import os
@@ -19,6 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from nbdist.launchers.base import Launcher
 from nbdist.launchers.forker import is_forker_thread
 from nbdist.launchers.processes import is_gone
 from nbdist.protocol import rundir
@@ -47,7 +49,7 @@ def tail_engine_log(run_dir: str, max_lines: int = 12) -> str:
 
 
 @dataclass
-class EngineLauncher:
+class EngineLauncher(Launcher):
     """Start ``nprocs`` ranks (of this node) through an engine, and follow them through the run dir.
 
     Subclasses say which command starts the engine; everything else is shared. Rank slots are
@@ -72,20 +74,18 @@ class EngineLauncher:
         self._codes: dict[int, int | None] = {}
 
     # ---- what a subclass provides -------------------------------------------------------
+    @abc.abstractmethod
     def command(self, run_dir: str, nprocs: int) -> list[str]:
-        raise NotImplementedError
+        """The engine's command line, ending with ``python -m nbdist.worker RUN_DIR``."""
+
+    def world_size_for(self, nprocs: int) -> int:
+        """mpiexec and srun place ``nprocs`` ranks in all, over their nodes (torchrun starts
+        ``nprocs`` per node, and says so)."""
+        return nprocs
 
     def engine_env(self, nprocs: int) -> dict[str, str]:
         """Extra env for the engine and its ranks."""
         return {}
-
-    def world_size_for(self, nprocs: int) -> int:
-        """The whole world's size when this node starts ``nprocs`` ranks."""
-        return nprocs
-
-    def spans_nodes(self) -> bool:
-        """Whether ranks may land on other machines (then they must reach the kernel's address)."""
-        return False
 
     # ---- shared -----------------------------------------------------------------------------
     def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
@@ -124,20 +124,6 @@ class EngineLauncher:
     def remote_slots(self) -> set[int]:
         """Slots whose rank runs on another machine: their pids are never looked up or signalled here."""
         return {slot for slot, where in self._registered().items() if not where.local}
-
-    def sentinels(self) -> list[int]:
-        return []
-
-    def exit_report(self) -> tuple[dict[int, int], int | None]:
-        """``({slot: exit code}, root-cause slot)`` as the engine reported them, where it does.
-
-        The kernel can't wait on the ranks of an engine (they are the engine's children, not
-        its own): their exit codes and signals are the engine's to tell. None here by default.
-        """
-        return {}, None
-
-    def wait_for_engine(self, timeout: float) -> None:
-        """Let an engine that reports its ranks' exits (torchrun) notice a failure and end by itself."""
 
     def poll(self) -> dict[int, int | None]:
         """slot -> exit code as far as the run dir tells it: 0 with a result, 1 with an error.

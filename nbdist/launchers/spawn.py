@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from nbdist.errors import LaunchConfigError
+from nbdist.launchers.base import Launcher
 from nbdist.launchers.processes import is_gone
 from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV, read_pids
 
@@ -62,10 +63,14 @@ def check_start_method(start_method: str) -> None:
     if start_method == "fork":
         import sys
 
+        from nbdist.launchers.cuda_watch import who_initialised_cuda
+
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
+            who = who_initialised_cuda()
+            by = f"first by {who}" if who else "before nbdist was loaded, so nbdist can't say where"
             raise LaunchConfigError(
-                "CUDA is already initialised in this kernel, so forked ranks can't use it "
+                f"CUDA is already initialised in this kernel ({by}), so forked ranks can't use it "
                 "('Cannot re-initialize CUDA in forked subprocess'); use start_method='warm' or 'spawn' (the default), "
                 "or restart the kernel and launch before touching CUDA"
             )
@@ -132,7 +137,7 @@ class _ForkedRanks:
 
 
 @dataclass
-class SpawnLauncher:
+class SpawnLauncher(Launcher):
     """Start ``nprocs`` ranks of this kernel and keep their handles.
 
     ``start_method`` None means the default (:func:`nbdist.warmstart.handle.choose_start_method`): "warm"
@@ -147,12 +152,6 @@ class SpawnLauncher:
     node_rank: int = 0
     hosts_rendezvous = True  # the ranks meet at the kernel's store (or the one kernel 0 hosts)
     remote_ranks = False  # every rank is a child of this kernel, here
-
-    def world_size_for(self, nprocs: int) -> int:
-        return self.nnodes * nprocs
-
-    def spans_nodes(self) -> bool:
-        return False  # every rank is this kernel's child, on this machine
 
     def __post_init__(self):
         from nbdist.warmstart.handle import choose_start_method
@@ -262,24 +261,9 @@ class SpawnLauncher:
             out[rank] = self.poll()[rank]
         return out
 
-    def remote_slots(self) -> set[int]:
-        """Every rank is this kernel's child, here."""
-        return set()
-
     def leaders(self) -> list[int]:
         """What a stop signals first: every rank's group."""
         return [pid for rank, pid in self._pids.items() if self._codes.get(rank) is None]
-
-    def engine_log(self) -> str:
-        """No engine between the kernel and its spawned ranks: nothing to tell."""
-        return ""
-
-    def exit_report(self) -> tuple[dict[int, int], None]:
-        """The ranks are the kernel's own children: their exit codes are known already."""
-        return {}, None
-
-    def wait_for_engine(self, timeout: float) -> None:
-        """No engine to wait for."""
 
     def close(self) -> None:
         """Release the handles of exited ranks (their pipes); running ones stay open."""

@@ -81,8 +81,6 @@ class LogFollower:
         self.max_chunk = max_chunk
         self.skip_over = skip_over
         self.keep_tail = keep_tail
-        self.skipped_lines = 0
-        self.skipped_bytes = 0
         self._unreported: tuple[int, int] | None = None  # (lines, bytes) jumped over since take_skipped()
         self._fh = None
         self._closed = False
@@ -141,8 +139,6 @@ class LogFollower:
         skipped = new_offset - self.offset
         self.offset = new_offset
         self._decoder.reset()  # a character cut in two by the jump is not decoded across it
-        self.skipped_lines += lines
-        self.skipped_bytes += skipped
         old = self._unreported or (0, 0)
         self._unreported = (old[0] + lines, old[1] + skipped)
 
@@ -172,21 +168,17 @@ class RankOutput:
 
     def __init__(self, run_dir: str, rank: int, max_lines: int = 5000):
         self.rank = rank
-        self._followers = {
+        self.followers = {
             s: LogFollower(os.path.join(run_dir, f"rank{rank}.{s}")) for s in ("stdout", "stderr")
         }
         self._assemblers = {s: LineAssembler() for s in ("stdout", "stderr")}
         self.lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=max_lines)
         self.total_lines = 0
 
-    @property
-    def bytes_from_channel(self) -> int:
-        return sum(f.fed for f in self._followers.values())
-
     def poll(self, final: bool = False, pieces=()) -> list[OutputChunk]:
         """New chunks; ``pieces`` are ``(stream, offset, bytes)`` from the output channel."""
         chunks = []
-        for stream, follower in self._followers.items():
+        for stream, follower in self.followers.items():
             text = "".join(follower.feed(off, data) for s, off, data in pieces if s == stream)
             text += follower.read_to_end() + follower.close() if final else follower.read_new()
             asm = self._assemblers[stream]

@@ -15,7 +15,7 @@ from nbdist.launchers.forker import call_in_forker
 from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
 from nbdist.protocol.rundir import RunSpec
-from nbdist.run import teardown
+from nbdist.run import ending, teardown
 from nbdist.run.retention import prune_in_background
 from nbdist.run.state import KILL_LADDER, Run
 
@@ -73,10 +73,10 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
         env = {k: str(v) for k, v in (options.env or {}).items()}
         # On the one thread that lives as long as the kernel: PDEATHSIG holds for what it starts.
         call_in_forker(launcher.start, run_dir, run_id, nprocs, env)
-        run._begin()
+        run.begin()
     except BaseException:
         report = teardown.stop_tree(launcher.leaders(), run_id, KILL_LADDER, timeout=2.0, on_tick=launcher.poll)
-        run._finalize("killed", report, "start failed")
+        ending.finalize(run, "killed", report, "start failed")
         raise
     return run
 

@@ -159,7 +159,7 @@ class CellHandle(EventSource):
             if kind == "interrupted":
                 self.interrupted.add(rank)
             elif kind == "failed":
-                self.failures[rank] = _failure_from(rank, pid, body)
+                self.failures[rank] = RankFailure.from_record(rank, pid, body)
             self._set_rank(rank, kind)
             if self.busy_ranks():
                 return False
@@ -238,10 +238,3 @@ def _unloadable(rank: int, exc: Exception) -> dict:
             "message": (f"the kernel could not load the value that rank {rank} returned ({type(exc).__name__}: "
                         f"{exc}); return plain data (tensors, numbers, dicts), or make its module importable "
                         f"in the kernel too")}
-
-
-def _failure_from(rank: int, pid, info: dict) -> RankFailure:
-    return RankFailure(rank=rank, pid=pid, exitcode=None, traceback=info.get("traceback"),
-                       user_traceback=info.get("user_traceback"), exc_type=info.get("exc_type"),
-                       message=info.get("message"), hint=info.get("hint"), time=info.get("time", time.time()),
-                       secondary=info.get("secondary", False))

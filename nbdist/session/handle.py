@@ -63,10 +63,7 @@ class Session(CellLevel):
 
     def __init__(self, nprocs=None, launcher="auto", backend="auto", env=None, run_dir=None, launcher_args=None,
                  nnodes=1, node_rank=0, master_addr=None, master_port=None, start_method=None, start_timeout=None):
-        self.options = WorldOptions(nprocs=nprocs, launcher=launcher, backend=backend, env=env, run_dir=run_dir,
-                                    launcher_args=launcher_args, nnodes=nnodes, node_rank=node_rank,
-                                    master_addr=master_addr, master_port=master_port,
-                                    start_method=start_method).check()
+        self.options = WorldOptions.from_call(locals()).check()
         if launcher == "attach":
             raise LaunchConfigError("an attached kernel already is a persistent rank: run cells in it directly")
         if start_timeout is not None and (isinstance(start_timeout, bool) or not isinstance(start_timeout, numbers.Real)

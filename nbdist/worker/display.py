@@ -24,15 +24,14 @@ BACKEND = "module://nbdist.worker.display"
 
 
 def install(send) -> None:
-    """Route this rank's display() and plt.show() to ``send(data, metadata)`` (None: back to the log).
+    """Route this rank's display() and plt.show() to ``send(data, metadata)``.
 
-    Called by the session loop once at start (IPython's display modules are imported and patched
-    then, so a cell's own ``from IPython.display import display`` gets this one) and around cells.
+    Called by the session loop once, at its start: IPython's display modules are imported and
+    patched then, so a cell's own ``from IPython.display import display`` gets this one. The loop's
+    ``send`` itself prints into the log between cells.
     """
     global _SEND
     _SEND = send
-    if send is None:
-        return
     import importlib
 
     for name in ("IPython.core.display_functions", "IPython.core.display", "IPython.display"):

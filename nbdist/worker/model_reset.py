@@ -109,6 +109,11 @@ def reset_fsdp_roots() -> int:
     """
     roots = _fsdp_roots()
     for root in roots:
+        if not hasattr(root, "reset_iter_state"):
+            import torch
+
+            raise RuntimeError(f"an FSDP2 model is kept across a stopped or failed step from torch 2.13 on "
+                               f"(FSDPModule.reset_iter_state); this rank has torch {torch.__version__}")
         try:
             root.reset_iter_state()
         except Exception:

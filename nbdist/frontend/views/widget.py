@@ -1,30 +1,20 @@
-"""Views of a Run: the widget view (a tab per rank, badges, Kill) and the text view.
-
-Both are thin: they subscribe to the run's events, buffer them, and draw at most ~10 times a
-second. They own no lifecycle: the Kill button calls ``Run.kill()``. ipywidgets is imported only
-when a widget view is made.
-"""
+"""The widget view: a tab per rank plus "all", status badges with elapsed time, exit code or signal
+and memory, and a Kill button (ipywidgets). Only drawing lives here: what it shows of a rank's
+process comes from :mod:`.probes`, and rank 0's rich output goes to the cell through :mod:`.cell_output`."""
 
 from __future__ import annotations
 
 import collections
 import html
-import sys
 import threading
 import time
 
-import psutil
+from nbdist.frontend.views.buffer import MAX_VIEW_LINES, BufferedView, format_report_line
+from nbdist.frontend.views.cell_output import show_in_cell, strip_ansi
+from nbdist.frontend.views.probes import rank_memory
+from nbdist.run.events import TERMINAL
 
-from nbdist.errors import RunStoppedError, WorkerFailedError
-from nbdist.run.events import TERMINAL, DisplayEvent, OutputChunk, RunEvent
-
-__all__ = ["TextView", "WidgetView", "make_view", "format_report_line"]
-
-FLUSH_INTERVAL = 0.1  # at most ~10 updates a second per rank
-MAX_VIEW_LINES = 2000  # per rank; the full log stays in the run dir
-# Lines a view holds between two draws, per rank. Past it the oldest go (counted, and said where
-# they were): a view that can't keep up shows the end of the output, and memory stays bounded.
-MAX_BUFFERED_LINES = 4 * MAX_VIEW_LINES
+__all__ = ["WidgetView", "BADGE_COLOURS", "SYMBOLS"]
 
 BADGE_COLOURS = {
     "starting": ("#5f6368", "#eceff1"),
@@ -37,123 +27,7 @@ BADGE_COLOURS = {
 SYMBOLS = {"starting": "○", "running": "●", "finished": "✓", "failed": "✗", "interrupted": "■", "killed": "■"}
 
 
-def format_report_line(run) -> str:
-    """One line for the end of a run: what happened, how long it took, where the logs are."""
-    elapsed = (run.ended or time.monotonic()) - run.started
-    if run.status == "finished":
-        return f"finished: {run.nprocs} ranks in {elapsed:.1f} s"
-    if isinstance(run.error, WorkerFailedError):
-        return f"failed: {run.error.summary()}"
-    if isinstance(run.error, RunStoppedError) and run.report is not None:
-        return f"{run.status}: {run.report}"
-    return f"{run.status} after {elapsed:.1f} s"
-
-
-def _memory(pid) -> int:
-    """Resident memory of a rank and its children (DataLoader workers count too)."""
-    try:
-        proc = psutil.Process(pid)
-        return proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
-    except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError, ValueError):
-        return 0
-
-
-class _Buffered:
-    """Collect events from the monitor thread; a flusher drains them at a bounded rate."""
-
-    _in_cell = True  # flushed by the cell that is waiting for the run (not by a --bg thread)
-
-    def __init__(self, run):
-        self.run = run
-        self._lock = threading.Lock()
-        self._lines: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
-        self._pending: dict[int, dict[str, str]] = collections.defaultdict(dict)
-        self._dropped: collections.Counter = collections.Counter()
-        self._displays: list[DisplayEvent] = []
-        self._dirty_status = True
-        self._ended = threading.Event()
-        self._thread = None
-
-    def on_event(self, event) -> None:
-        with self._lock:
-            if isinstance(event, OutputChunk):
-                buffered = self._lines[event.rank]
-                buffered.extend((event.stream, line) for line in event.lines)
-                if len(buffered) > MAX_BUFFERED_LINES:
-                    drop = len(buffered) - MAX_BUFFERED_LINES
-                    del buffered[:drop]
-                    self._dropped[event.rank] += drop
-                self._pending[event.rank][event.stream] = event.pending
-            elif isinstance(event, DisplayEvent):
-                self._displays.append(event)
-            elif isinstance(event, RunEvent):
-                self._dirty_status = True
-                if event.rank is None and event.status in TERMINAL:
-                    self._ended.set()
-
-    def take(self):
-        with self._lock:
-            lines, self._lines = self._lines, collections.defaultdict(list)
-            dropped, self._dropped = self._dropped, collections.Counter()
-            pending = {r: dict(p) for r, p in self._pending.items()}
-            dirty, self._dirty_status = self._dirty_status, False
-        for rank, n in dropped.items():
-            lines[rank].insert(0, ("stderr", f"[nbdist: {n:,} lines not shown here, the view fell behind; "
-                                             f"%dist_logs or {self.run.log_dir} has them all]"))
-        return lines, pending, dirty
-
-    def take_displays(self) -> list[DisplayEvent]:
-        with self._lock:
-            displays, self._displays = self._displays, []
-        return displays
-
-    def start_flusher(self) -> None:
-        """Draw from a thread (for --bg, when no cell is waiting to do it)."""
-        self._in_cell = False  # what is shown from a thread can't go into a cell's own output
-
-        def loop():
-            while not self._ended.wait(FLUSH_INTERVAL):
-                self.flush()
-            self.flush(final=True)
-
-        self._thread = threading.Thread(target=loop, name="nbdist-view", daemon=True)
-        self._thread.start()
-
-    def flush(self, final: bool = False) -> None:
-        raise NotImplementedError
-
-
-class TextView(_Buffered):
-    """Rank-prefixed lines for terminal IPython, nbconvert and logs. A ``\\r`` line (a tqdm bar)
-    is printed once, in its final state, when it ends."""
-
-    def __init__(self, run, stream=None):
-        super().__init__(run)
-        self.stream = stream or sys.stdout
-        self._announced = set()
-        run.subscribe(self.on_event)
-
-    def flush(self, final: bool = False) -> None:
-        lines, pending, _ = self.take()
-        out = []
-        for rank in sorted(lines):
-            for stream, line in lines[rank]:
-                out.append(f"[rank {rank}{'!' if stream == 'stderr' else ''}] {line}\n")
-        for shown in self.take_displays():
-            if shown.rank == self._first_rank() and self._in_cell and _show_in_cell(shown):
-                continue  # rank 0's rich output is the cell's own, as it would be in the kernel
-            out.append(f"[rank {shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")
-        if final and not (self.run.status == "finished" and self.run.quiet_when_finished):
-            out.append(f"nbdist: {format_report_line(self.run)}  (logs: {self.run.log_dir})\n")
-        if out:
-            self.stream.write("".join(out))
-            self.stream.flush()
-
-    def _first_rank(self) -> int:
-        return min(self.run.global_rank(r) for r in self.run.ranks)
-
-
-class WidgetView(_Buffered):
+class WidgetView(BufferedView):
     """One tab per rank plus "all", with status badges, memory, elapsed time and a Kill button."""
 
     def __init__(self, run):
@@ -216,7 +90,7 @@ class WidgetView(_Buffered):
             if code:
                 parts.append(f"<span>{html.escape(code)}</span>")
         else:
-            parts.append(f"<span>{_memory(st.pid) / 2**20:.0f} MiB</span>")
+            parts.append(f"<span>{rank_memory(st.pid) / 2**20:.0f} MiB</span>")
         return ("<div style='display:flex;gap:12px;align-items:center;font-family:var(--jp-ui-font-family,sans-serif);"
                 "font-size:12px;color:#3c4043;margin:2px 0 4px'>" + "".join(parts) + "</div>")
 
@@ -278,7 +152,7 @@ class WidgetView(_Buffered):
         if not text:
             return ""
         return (f"<pre style='margin:0;font-size:12px;color:#3c4043;white-space:pre;overflow:hidden'>"
-                f"{html.escape(_strip_ansi(text))}</pre>")
+                f"{html.escape(strip_ansi(text))}</pre>")
 
     def flush(self, final: bool = False) -> None:
         lines, pending, dirty = self.take()
@@ -302,7 +176,7 @@ class WidgetView(_Buffered):
             self.live_all.value = value
         for shown in self.take_displays():
             first = shown.rank == self._ranks[0]
-            if not (first and self._in_cell and _show_in_cell(shown)) and shown.rank in self.outputs:
+            if not (first and self._in_cell and show_in_cell(shown)) and shown.rank in self.outputs:
                 out = self.outputs[shown.rank]  # other ranks' rich output goes into their tab
                 out.outputs = (*out.outputs, {"output_type": "display_data", "data": shown.data,
                                               "metadata": shown.metadata})
@@ -330,41 +204,3 @@ _VIEW_CSS = """<style>
 </style>"""
 
 
-def _show_in_cell(shown: DisplayEvent) -> bool:
-    """Show a rank's MIME bundle as the cell's own output; False (nothing shown) without IPython.
-
-    Callers try this first for rank 0 and fall back to the rank's tab or a text line.
-    """
-    try:
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:
-        return False
-    if get_ipython() is None:
-        return False
-    display(shown.data, metadata=shown.metadata, raw=True)
-    return True
-
-
-def _strip_ansi(text: str) -> str:
-    import re
-
-    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
-
-
-def make_view(run, kind: str = "auto"):
-    """A widget view where a widget frontend may be present (a Jupyter kernel), else a text view."""
-    if kind == "auto":
-        try:
-            from IPython import get_ipython
-
-            shell = get_ipython()
-            kind = "widget" if shell is not None and getattr(shell, "kernel", None) is not None else "text"
-        except ImportError:
-            kind = "text"
-    if kind == "widget":
-        try:
-            return WidgetView(run)
-        except ImportError:
-            pass
-    return TextView(run)

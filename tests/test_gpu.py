@@ -1,0 +1,258 @@
+"""The CUDA and NCCL paths, for real, on a machine with GPUs; skipped where CUDA is absent (CI).
+
+``bash scripts/gpu-check.sh`` runs this file on a GPU machine that has PyTorch with CUDA and no
+network. Each kernel here is a plain Python script (that machine has no IPython stack), so that the
+kernel's own CUDA state (a context, a fork refusal) never touches the test process. Written for
+one GPU and for several: ranks bind ``cuda:{local_rank % device_count}``; NCCL needs a GPU per
+rank, so the tests of several NCCL ranks run where there are several GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+from conftest import marked_pids, wait_for
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _gpus() -> int:
+    """GPUs this machine has, counted without a CUDA context (NVML, or nvidia-smi)."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.version.cuda else 0
+    except Exception:
+        return 0
+
+
+GPUS = _gpus()
+pytestmark = pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU here (scripts/gpu-check.sh runs these on one)")
+several = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs or more (NCCL wants a GPU per rank)")
+
+
+def _memory_used() -> dict[int, int]:
+    """MiB used on each GPU, as nvidia-smi says (no CUDA context here)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=30, check=True).stdout
+    return {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
+
+
+def _back_to(baseline: dict[int, int], slack_mib: int = 64) -> bool:
+    now = _memory_used()
+    return all(now[i] <= baseline[i] + slack_mib for i in baseline)
+
+
+def _kernel(run_script, body: str):
+    """A kernel: a script that imports nbdist (and the tests' rank functions) and runs ``body``."""
+    return run_script(f"import os, sys, time, torch, nbdist\nsys.path.insert(0, {HERE!r})\nimport rankfns\n{body}",
+                      env={"OMP_NUM_THREADS": "1"})
+
+
+def _result(proc, timeout=180) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return out
+
+
+# ---- one GPU -------------------------------------------------------------------------------------
+def test_a_one_rank_nccl_run_binds_its_gpu(run_script):
+    out = _result(_kernel(run_script, """
+def on_gpu():
+    import torch.distributed as dist
+    t = torch.ones(4, device="cuda")
+    dist.all_reduce(t)
+    return (t.sum().item(), str(t.device), torch.cuda.current_device(), dist.get_backend())
+print("AUTO", nbdist.launch(on_gpu, nprocs=1))
+print("NCCL", nbdist.launch(on_gpu, nprocs=1, backend="nccl"))
+print("CUDA IN KERNEL", torch.cuda.is_initialized())
+"""))
+    assert "AUTO {0: (4.0, 'cuda:0', 0, 'nccl')}" in out, out  # auto is nccl where CUDA is
+    assert "NCCL {0: (4.0, 'cuda:0', 0, 'nccl')}" in out and "CUDA IN KERNEL False" in out, out
+
+
+def test_two_ranks_with_gloo_on_cuda_tensors_share_the_gpus(run_script):
+    out = _result(_kernel(run_script, """
+def gloo_on_gpu():
+    import torch.distributed as dist
+    t = torch.ones(8, device="cuda") * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return (t[0].item(), torch.cuda.current_device())
+print("RESULT", nbdist.launch(gloo_on_gpu, nprocs=2, backend="gloo"))
+"""))
+    assert f"RESULT {{0: (3.0, 0), 1: (3.0, {1 % GPUS})}}" in out, out  # cuda:{local_rank % device_count}
+
+
+def test_a_one_rank_nccl_session_keeps_state_stops_and_re_forms_its_nccl_group(run_script):
+    """The re-formable group over real NCCL: a loop of GPU all_reduces stopped anywhere goes back to
+    idle with its state; the inner NCCL group is released (aborted) and connected anew, and cut
+    (aborted from another thread) and connected anew, while the group object stays the same."""
+    out = _result(_kernel(run_script, """
+with nbdist.Session(nprocs=1, backend="nccl") as s:
+    s.wait_ready(120)
+    print("BACKEND", s.execute("import torch, torch.distributed as dist\\nt = torch.ones(2, device='cuda')\\n"
+                               "dist.all_reduce(t)\\ng = dist.distributed_c10d._get_default_group()\\n"
+                               "(dist.get_backend(), type(g).__name__, t.sum().item())"))
+    cell = s.execute("n = 0\\nwhile True:\\n    dist.all_reduce(t)\\n    torch.cuda.synchronize()\\n    n += 1",
+                     join=False)
+    time.sleep(2)
+    cell.interrupt()
+    try:
+        cell.wait(30)
+    except nbdist.RunStoppedError as e:
+        print("STOPPED", "idle again, their state kept" in str(e))
+    print("KEPT", s.execute("n > 0"))
+    print("REFORMED", s.execute("from nbdist.worker import reformable_groups as rg\\n"
+                                "rg.release_groups()\\nrg.reform_groups(7)\\nu = torch.ones(3, device='cuda')\\n"
+                                "dist.all_reduce(u)\\n(u.sum().item(), g is dist.distributed_c10d._get_default_group())"))
+    print("CUT", s.execute("rg.cut_groups()\\nrg.reform_groups(8)\\nv = torch.ones(5, device='cuda')\\n"
+                           "dist.all_reduce(v)\\nv.sum().item()"))
+    print("STATUS", s.status)
+"""))
+    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out, out
+    assert "STOPPED True" in out and "KEPT {0: True}" in out, out
+    assert "REFORMED {0: (3.0, True)}" in out and "CUT {0: 5.0}" in out and "STATUS idle" in out, out
+
+
+def test_warm_ranks_start_and_use_cuda_while_the_kernel_holds_a_context(run_script):
+    out = _result(_kernel(run_script, """
+nbdist.warm(wait=True)
+held = torch.ones(1024, 1024, device="cuda")  # the kernel's own CUDA context, as a notebook's model
+def on_gpu():
+    import torch.distributed as dist
+    t = torch.ones(2, device="cuda")
+    dist.all_reduce(t)
+    return t.sum().item()
+run = nbdist.launch(on_gpu, nprocs=1, join=False)
+print("RESULT", run.wait(120), run.launcher.start_method)
+from nbdist.warmstart.handle import current_template
+print("TEMPLATE", current_template().status)
+"""))
+    assert "RESULT {0: 2.0} warm" in out and "TEMPLATE ready" in out, out
+
+
+def test_fork_after_the_kernel_initialised_cuda_is_refused_naming_where(run_script):
+    out = _result(_kernel(run_script, """
+nbdist.launch(rankfns.takes_anything, nprocs=1, init_process_group=False)  # nbdist watches CUDA from here
+model = torch.nn.Linear(4, 4).cuda()  # LINE OF THE FIRST CUDA USE
+try:
+    nbdist.launch(rankfns.takes_anything, nprocs=1, start_method="fork", init_process_group=False)
+except nbdist.LaunchConfigError as e:
+    print("REFUSED", e)
+"""))
+    refused = next(line for line in out.splitlines() if line.startswith("REFUSED"))
+    assert "CUDA is already initialised in this kernel (first by" in refused, refused
+    assert "model = torch.nn.Linear(4, 4).cuda()" in refused and "start_method='warm'" in refused, refused
+
+
+@pytest.mark.parametrize("how", ["kill", "session stop", "kernel SIGKILL"])
+def test_gpu_memory_is_given_back(run_script, how):
+    """A run killed, a session stopped, a kernel SIGKILLed: the GPU memory their ranks held is free
+    again within seconds (what users fear first: orphans holding their GPUs)."""
+    baseline = _memory_used()
+    if how == "kill":
+        body = """
+run = nbdist.launch(rankfns.hold_gpu_memory, 1024, nprocs=1, join=False)
+while not os.path.exists(os.path.join(run.run_dir, "holding")):
+    time.sleep(0.1)
+print("HOLDING", run.run_id, flush=True)
+sys.stdin.readline()
+run.kill()
+print("KILLED", run.status, flush=True)
+"""
+    else:
+        body = """
+s = nbdist.Session(nprocs=1)
+s.wait_ready(120)
+s.execute("import torch\\nblock = torch.empty(1024 * 2**20, dtype=torch.uint8, device='cuda')\\n"
+          "torch.cuda.synchronize()")
+print("HOLDING", s.session_id, flush=True)
+sys.stdin.readline()
+s.close()
+print("CLOSED", s.status, flush=True)
+"""
+    proc = run_script(f"import os, sys, time, nbdist\nsys.path.insert(0, {HERE!r})\nimport rankfns\n{body}",
+                      stdin=subprocess.PIPE)
+    marker = proc.stdout.readline().split()[1]
+    wait_for(lambda: not _back_to(baseline, slack_mib=512), 30, what="the rank to hold its 1 GiB")
+    t0 = time.monotonic()
+    if how == "kernel SIGKILL":
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    else:
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().split()[0] in ("KILLED", "CLOSED")
+        proc.wait(30)
+    wait_for(lambda: not marked_pids(marker), 5, what="the ranks to go")
+    wait_for(lambda: _back_to(baseline), 10, what="the GPU memory to be free again")
+    print(f"{how}: GPU memory back to its baseline in {time.monotonic() - t0:.2f} s")
+
+
+# ---- several GPUs --------------------------------------------------------------------------------
+@several
+def test_ddp_on_nccl_across_gpus_trains_on_after_a_stop_mid_step(run_script):
+    n = min(GPUS, 4)
+    out = _result(_kernel(run_script, f"""
+with nbdist.Session(nprocs={n}, backend="nccl") as s:
+    s.wait_ready(180)
+    s.execute('''
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Linear(256, 1).cuda())
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+x = torch.randn(512, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(dist.get_rank()))
+def step():
+    opt.zero_grad()
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+''')
+    before = s.execute("step()")[0]
+    said = ""
+    for delay in (0.5, 1.0, 1.5):
+        cell = s.execute("while True:\\n    step()", join=False)
+        time.sleep(delay)
+        cell.interrupt()
+        try:
+            cell.wait(60)
+        except nbdist.RunStoppedError as e:
+            said += str(e)
+    if "now differ between ranks" in said:
+        s.execute("for p in model.parameters():\\n    dist.broadcast(p.data, src=0)")
+    after = s.execute("[step() for _ in range(10)][-1]", timeout=120)[0]
+    sums = s.execute("round(sum(p.sum().item() for p in model.parameters()), 4)")
+    print("TRAINED", after < before, len(set(sums.values())) == 1, s.status)
+"""), timeout=400)
+    assert "TRAINED True True idle" in out, out
+
+
+@several
+def test_a_rank_that_raises_while_its_peers_wait_in_nccl_is_released(run_script):
+    """The stuck peer waits in a CUDA sync on an NCCL all_reduce: its communicator is aborted, the
+    group re-formed in place, and the error shows in seconds, the session idle."""
+    out = _result(_kernel(run_script, """
+with nbdist.Session(nprocs=2, backend="nccl") as s:
+    s.wait_ready(180)
+    s.execute("import torch, torch.distributed as dist\\nkept = dist.get_rank()")
+    t0 = time.monotonic()
+    try:
+        s.execute("import time\\nt = torch.ones(1 << 20, device='cuda')\\nif dist.get_rank() == 1:\\n    time.sleep(0.5)\\n"
+                  "    raise ValueError('bad shard')\\ndist.all_reduce(t)\\ntorch.cuda.synchronize()", timeout=60)
+    except nbdist.WorkerFailedError as e:
+        print("FAILED", e.rank, "re-formed in place" in str(e), round(time.monotonic() - t0, 2))
+    print("AFTER", s.execute("u = torch.ones(2, device='cuda')\\ndist.all_reduce(u)\\n(u.sum().item(), kept)"))
+"""), timeout=300)
+    assert "FAILED 1 True" in out and "AFTER {0: (4.0, 0), 1: (4.0, 1)}" in out, out
+
+
+def test_nvidia_smi_is_there():
+    assert shutil.which("nvidia-smi"), "the GPU checks read GPU memory with nvidia-smi"
