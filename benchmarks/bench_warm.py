@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))

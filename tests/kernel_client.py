@@ -16,6 +16,7 @@ class CellResult:
     result: str | None = None
     error: dict | None = None
     displays: list = field(default_factory=list)
+    updates: list = field(default_factory=list)  # update_display_data bundles, in order
     widget_outputs: dict = field(default_factory=dict)  # comm id -> last "outputs" state
     widget_values: dict = field(default_factory=dict)  # comm id -> last "value" state
     seconds: float = 0.0
@@ -71,6 +72,8 @@ class Kernel:
                 res.result = c["data"].get("text/plain")
             elif t == "display_data":
                 res.displays.append(c["data"])
+            elif t == "update_display_data":
+                res.updates.append(c["data"])
             elif t == "error":
                 res.error = c
         reply = self.kc.get_shell_msg(timeout=30)

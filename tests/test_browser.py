@@ -162,7 +162,8 @@ def notebook(lab):
 
 
 def test_tabs_per_rank_and_badges_turn_finished(notebook):
-    nb = notebook("tabs", "%%distributed --nprocs 2\nimport os\nprint(f\"hello from rank {os.environ['RANK']}\")")
+    nb = notebook("tabs", "%%distributed --nprocs 2 --view widget\nimport os\n"
+                          "print(f\"hello from rank {os.environ['RANK']}\")")
     nb.run(1)
     out = nb.output(1)
     out.locator(".lm-TabBar-tab", has_text="rank 1").wait_for(timeout=60_000)
@@ -293,4 +294,48 @@ def test_session_cell_view_stop_button_during_training_and_the_next_cell(noteboo
     nb.shot("next-cell")
     nb.run(4)
     nb.wait_done(4, timeout=30)
+    wait_for(lambda: not marked_pids(), 10, what="nothing left after %dist_stop")
+
+
+def test_quick_session_cells_read_as_plain_cells_and_a_long_one_grows_into_tabs(notebook, lab):
+    """The default view costs what the cell needs: quick session cells show their lines, folded
+    across ranks, without a click or a widget; a longer cell grows into tabs, and the saved notebook
+    keeps a text/plain summary of it for frontends that don't render widgets."""
+    nb = notebook(
+        "grow",
+        "%dist_start -n 2",
+        "%%distributed\nimport os, time\nrank = int(os.environ['RANK'])\nprint('checkpoint saved')",
+        "%%distributed\nprint('loss', 0.25 * (rank + 1))",
+        "%%distributed\nfor i in range(3):\n    print('epoch', i, 'on rank', rank, flush=True)\n    time.sleep(0.4)",
+        "%dist_stop",
+    )
+    nb.run(1)
+    nb.wait_done(1)
+    for i in (2, 3):
+        nb.run(i)
+        nb.wait_done(i, timeout=60)
+    nb.output(2).get_by_text("[0-1] checkpoint saved").wait_for(timeout=10_000)
+    nb.output(3).get_by_text("[0] loss 0.25").wait_for(timeout=10_000)
+    nb.output(3).get_by_text("[1] loss 0.5").wait_for(timeout=10_000)
+    assert nb.output(2).locator(".lm-TabBar-tab").count() == 0 and nb.output(3).locator(".lm-TabBar-tab").count() == 0
+    nb.shot("quick-cells")
+    nb.run(4)
+    out = nb.output(4)
+    out.locator(".lm-TabBar-tab", has_text="rank 1").wait_for(timeout=30_000)
+    nb.wait_done(4, timeout=60)
+    out.get_by_text("[1] epoch 2 on rank 1").first.wait_for(timeout=10_000)  # the "all" tab: every line
+    nb.shot("grown-into-tabs")
+    nb.run(5)
+    nb.wait_done(5, timeout=30)
+    nb.page.keyboard.press("Control+s")
+    path = os.path.join(lab["root"], "grow.ipynb")
+
+    def summary():
+        outputs = nbformat.read(path, as_version=4).cells[4].get("outputs", [])
+        return [o["data"]["text/plain"] for o in outputs
+                if o.get("output_type") == "display_data" and "nbdist session" in o.get("data", {}).get("text/plain", "")]
+
+    wait_for(summary, 20, interval=0.5, what="the saved notebook to hold the grown cell's summary")
+    text = summary()[0]
+    assert "epoch 2 on rank 1" in text and "logs:" in text, text
     wait_for(lambda: not marked_pids(), 10, what="nothing left after %dist_stop")

@@ -50,7 +50,7 @@ def test_text_view_shows_every_rank_and_returns_rank_0_value(kernel):
 
 
 def test_widget_view_has_a_tab_per_rank(kernel):
-    res = kernel.run("%%distributed -n 2\nimport sys, torch.distributed as dist\n"
+    res = kernel.run("%%distributed -n 2 --view widget\nimport sys, torch.distributed as dist\n"
                      "print('out of', dist.get_rank())\nprint('err of', dist.get_rank(), file=sys.stderr)")
     assert res.status == "ok", res.error_text
     assert any("application/vnd.jupyter.widget-view+json" in d for d in res.displays)
@@ -135,7 +135,7 @@ def test_tqdm_bar_is_one_updating_line(kernel):
     assert res.status == "ok", res.error_text
     bar_lines = [line for line in res.stdout.splitlines() if "40/40" in line or "it/s" in line or "%|" in line]
     assert len(bar_lines) == 1 and "100%" in bar_lines[0], res.stdout
-    res = kernel.run(cell.format(view=""))
+    res = kernel.run(cell.format(view="--view widget"))
     rank0 = [t for t in res.widget_text() if "done" in t and "[0]" not in t]
     assert rank0, res.widget_text()
     assert all(sum("%|" in line for line in t.splitlines()) <= 1 for t in res.widget_text()), res.widget_text()

@@ -294,7 +294,10 @@ def test_fsdp2_trains_on_after_a_stop_inside_its_own_unshard_loop(session):
             "        raise KeyboardInterrupt\n"
             "    return real(self)\n"
             "FSDPParam.to_unsharded = interrupted_midway\n"
-            "fsdp_step()")
+            "try:\n"
+            "    fsdp_step()\n"
+            "finally:  # a rank stopped before its own second call (its peer's stop released it) is unpatched too\n"
+            "    FSDPParam.to_unsharded = real")
     with pytest.raises(RunStoppedError, match="idle again, their state kept"):
         session.execute(cell, timeout=60)
     after = session.execute("[fsdp_step() for _ in range(5)][-1]", timeout=60)

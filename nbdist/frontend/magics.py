@@ -152,7 +152,9 @@ class DistributedMagics(Magics):
     @argument("--bg", action="store_true", help="return at once; use _dist.wait() / _dist.kill() later")
     @argument("--push", default="", help="comma-separated notebook variables to send besides those the cell reads")
     @argument("--pull", default="", help="comma-separated variables to bring back from rank 0")
-    @argument("--view", default="auto", choices=("auto", "widget", "text"), help="how to show the ranks' output")
+    @argument("--view", default="auto", choices=("auto", "widget", "text"),
+              help="auto: a quick cell's lines as a plain cell's, tabs per rank once it runs longer; widget: tabs; "
+                   "text: rank-prefixed lines")
     @argument("--ranks", default=None, help="in a session: comma-separated ranks to run on (the others stay idle)")
     @argument("--fresh", action="store_true", help="run on new one-shot ranks even while a session is live")
     @cell_magic

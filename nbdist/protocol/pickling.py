@@ -13,12 +13,14 @@ import types
 
 import cloudpickle
 
-__all__ = ["dumps"]
+__all__ = ["dumps", "SourceKeepingPickler"]
 
 _DYNAMIC = "<dynamic-code>"
 
 
-class _SourceKeepingPickler(cloudpickle.Pickler):
+class SourceKeepingPickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, with code objects keeping their file name (see the module docstring)."""
+
     def reducer_override(self, obj):
         if isinstance(obj, types.CodeType):
             reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
@@ -31,5 +33,5 @@ class _SourceKeepingPickler(cloudpickle.Pickler):
 def dumps(obj) -> bytes:
     """Like ``cloudpickle.dumps``, with code objects keeping ``co_filename``."""
     buf = io.BytesIO()
-    _SourceKeepingPickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
+    SourceKeepingPickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
     return buf.getvalue()

@@ -37,6 +37,11 @@ CUT_REQUEST = "cut"  # the file, in a cell's dir, by which the kernel asks the r
 STOP_REQUEST = "stop"
 
 
-def load_value(blob: bytes):
-    """A value a rank sent (pickled by :func:`_run_one`)."""
-    return pickle.loads(blob)
+def load_value(body):
+    """A value a rank sent: a :class:`~nbdist.protocol.shared_values.SharedValue` (its big buffers
+    mapped from the rank's shared memory), or plain pickled bytes."""
+    from nbdist.protocol.shared_values import SharedValue, load_shared
+
+    if isinstance(body, SharedValue):
+        return load_shared(body)
+    return pickle.loads(body)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 
 from nbdist.protocol import rundir
+from nbdist.protocol.shared_values import dump_shared
 from nbdist.session.cell_handle import CellHandle
-from nbdist.worker.session_loop import get_name, set_names
+from nbdist.session.pieces import join_pieces, split_in_pieces
+from nbdist.worker.session_loop import get_name, set_shared_names, set_shared_piece
 
 __all__ = ["CellLevel"]
 
@@ -47,12 +49,60 @@ class CellLevel:
         return cell if not join else cell.wait()
 
     def push(self, ranks=None, **values) -> None:
-        """Set ``values`` as names in each rank's namespace."""
-        self.run(set_names, values, ranks=ranks)
+        """Set ``values`` as names in each rank's namespace.
+
+        Tensors and arrays go through shared memory: written once, mapped copy-on-write by each
+        rank on this machine (each rank's value is its own); see :mod:`nbdist.protocol.shared_values`.
+
+        Examples
+        --------
+        >>> session.push(weights=torch.randn(4096, 4096), lr=0.1)
+        """
+        self._share(set_shared_names, values, ranks)
 
     def pull(self, name: str, ranks=None) -> dict:
-        """``{rank: value}`` of ``name`` in each rank's namespace."""
+        """``{rank: value}`` of ``name`` in each rank's namespace (big values through shared memory).
+
+        Examples
+        --------
+        >>> session.pull("loss")
+        {0: 0.12, 1: 0.11}
+        """
         return self.run(get_name, name, ranks=ranks)
+
+    def scatter(self, name: str, seq, dim: int = 0, ranks=None) -> None:
+        """Split ``seq`` (a tensor, an array, a list) in as many pieces as ranks, along ``dim``, and set
+        rank r's piece as ``name`` on it (ranks in order; the first pieces one longer when it doesn't divide).
+
+        Examples
+        --------
+        >>> session.scatter("shard", torch.arange(10))      # rank 0: tensor([0, 1, 2, 3, 4]) of 2 ranks
+        """
+        targets = sorted(self.incarnation.conns) if ranks is None else sorted(set(ranks))
+        pieces = dict(zip(targets, split_in_pieces(seq, len(targets), dim)))
+        self._share(set_shared_piece, pieces, targets, name)
+
+    def gather(self, name: str, dim: int = 0, ranks=None):
+        """``name`` from each rank, joined in rank order along ``dim`` (tensors, arrays, lists): the
+        inverse of :meth:`scatter`.
+
+        Examples
+        --------
+        >>> session.gather("shard")
+        tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
+        """
+        return join_pieces([value for _, value in sorted(self.pull(name, ranks=ranks).items())], dim)
+
+    def _share(self, fn, values, ranks, *first):
+        """Run ``fn(*first, shared)`` on ``ranks``, ``values`` shared for the cell's length."""
+        inc = self.incarnation
+        targets = sorted(inc.conns) if ranks is None else ranks
+        local = not any(r in inc.remote for r in targets)  # another machine's ranks can't map our memory
+        shared = dump_shared(values, "a pushed value", local=local)
+        try:
+            self.run(fn, *first, shared, ranks=ranks)
+        finally:
+            shared.close()  # every rank mapped it (or the cell ended without it)
 
     def _submit(self, write, ranks, timeout) -> CellHandle:
         inc = self.incarnation  # one incarnation for the whole call, even if another thread restarts

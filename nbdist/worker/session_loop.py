@@ -25,8 +25,9 @@ from multiprocessing.connection import Client
 
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import CUT_REQUEST, SESSION_KEY_FILE, STOP_REQUEST, set_nodelay
+from nbdist.protocol.shared_values import dump_shared, load_shared
 
-__all__ = ["serve_session", "set_names", "get_name", "count_collectives", "reform_groups", "reset_models"]
+__all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models"]
 
 
 def _read_key(session_dir: str) -> bytes:
@@ -44,6 +45,8 @@ def _log_offsets() -> tuple[int, int]:
     return os.fstat(1).st_size, os.fstat(2).st_size
 
 
+_KERNEL_HERE = True  # the kernel runs on this machine: big values go through shared memory
+_HELD: list = []  # this rank's shared values the kernel may still be mapping (nbdist.protocol.shared_values)
 _IN_USER_CODE = False
 _CELL_DIR: str | None = None  # the cell the main thread runs: a stop is for it only if its dir asks
 _STOPPED = False  # the stop button reached this cell (its error, if any, is the release's)
@@ -114,15 +117,19 @@ def _run_one(cell_dir: str, rank: int):
         sys.stderr.write(info["traceback"])
         return "failed", info
     try:
-        return "finished", rundir.dump_pickle_checked(value, f"the value of the cell on rank {rank}")
+        shared = dump_shared(value, f"the value of the cell on rank {rank}", local=_KERNEL_HERE)
     except TypeError as exc:
         return "failed", describe_exception(exc)
+    if shared.fds:
+        _HELD.append(shared)  # until the kernel has mapped them: its next message
+    return "finished", shared
 
 
 def serve_session(session_dir: str, address) -> None:
     """The session loop of one rank: connect, say hello, run cells until "close" or end-of-file."""
-    global _IN_USER_CODE
+    global _IN_USER_CODE, _KERNEL_HERE
     rank = int(os.environ.get("RANK", "0"))
+    _KERNEL_HERE = rundir.read_spec(session_dir).kernel_host == socket.gethostname()
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
     conn = Client(tuple(address), authkey=_read_key(session_dir))
     set_nodelay(conn)
@@ -156,6 +163,7 @@ def serve_session(session_dir: str, address) -> None:
             release_groups()
             continue
         _, cell_id, cell_dir = message
+        _let_go_of_values()  # the kernel mapped the last cell's values before it sent this one
         start = _log_offsets()
         send(("started", rank, cell_id, start))
         running.enter(cell_id, cell_dir)
@@ -170,6 +178,11 @@ def serve_session(session_dir: str, address) -> None:
             kind, body = "failed", describe_exception(exc)
         running.leave()
         send(("done", rank, cell_id, kind, body, _log_offsets()))
+
+
+def _let_go_of_values() -> None:
+    while _HELD:
+        _HELD.pop().close()
 
 
 class _RunningCell:
@@ -212,6 +225,18 @@ def _cut_when_asked(running: _RunningCell) -> None:
             cut = reformable_groups.cut_groups()
         print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
               f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
+
+
+def set_shared_names(shared) -> None:
+    """Run on ranks by ``Session.push``: the values, mapped from the kernel's shared memory, become
+    names of the rank's ``__main__`` (each rank's copy-on-write: its own)."""
+    set_names(load_shared(shared))
+
+
+def set_shared_piece(name: str, shared) -> None:
+    """Run on ranks by ``Session.scatter``: this rank's piece of the pieces the kernel shared."""
+    pieces = load_shared(shared)
+    sys.modules["__main__"].__dict__[name] = pieces[int(os.environ.get("RANK", "0"))]
 
 
 def set_names(values: dict) -> None:

@@ -1,6 +1,8 @@
-"""Views of a run or a session cell: the widget view (a tab per rank, badges, Kill) and the text view.
+"""Views of a run or a session cell: in a notebook, the view that grows with the cell (plain folded
+lines for a quick cell, the widget view with a tab per rank, badges and Kill for the others); the
+text view for terminals and headless runs.
 
-Both are thin: they subscribe to the run's events, buffer them, and draw at most ~10 times a
+All are thin: they subscribe to the run's events, buffer them, and draw at most ~10 times a
 second (:mod:`.buffer`). ipywidgets is imported only when a widget view is made.
 """
 
@@ -21,20 +23,22 @@ def __getattr__(name):
 
 
 def make_view(run, kind: str = "auto"):
-    """A widget view where a widget frontend may be present (a Jupyter kernel), else a text view."""
+    """In a Jupyter kernel the view that grows with the cell (``"widget"``: tabs from the start),
+    else the text view."""
     if kind == "auto":
         try:
             from IPython import get_ipython
 
             shell = get_ipython()
-            kind = "widget" if shell is not None and getattr(shell, "kernel", None) is not None else "text"
+            kind = "auto" if shell is not None and getattr(shell, "kernel", None) is not None else "text"
         except ImportError:
             kind = "text"
-    if kind == "widget":
+    if kind in ("auto", "widget"):
         try:
+            from nbdist.frontend.views.growing import GrowingView
             from nbdist.frontend.views.widget import WidgetView
 
-            return WidgetView(run)
-        except ImportError:
+            return GrowingView(run) if kind == "auto" else WidgetView(run)
+        except ImportError:  # no ipywidgets
             pass
     return TextView(run)

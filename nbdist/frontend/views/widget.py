@@ -67,6 +67,10 @@ class WidgetView(BufferedView):
         self._draw_status()
         run.subscribe(self.on_event)
 
+    def shown_lines(self) -> dict:
+        """rank -> the ``(stream, line)`` pairs the view holds (its last ones)."""
+        return {r: list(lines) for r, lines in self._shown.items()}
+
     # -- drawing ------------------------------------------------------------------------------
     def _set_titles(self) -> None:
         titles = ["all"] + [f"{SYMBOLS.get(self._rank_status(r).status, '')} rank {r}" for r in self._ranks]

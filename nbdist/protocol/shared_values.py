@@ -1,0 +1,166 @@
+"""Values between a session's kernel and its ranks through shared memory: a big tensor or array is
+written once, and each reader maps it, copy-on-write, instead of unpickling it from a file or a socket.
+
+Pickle protocol 5 separates a value's big buffers from the rest (numpy arrays give theirs; a
+CPU tensor's storage is given the same way here). The rest is a small pickle; each big buffer goes
+into a ``memfd`` (anonymous shared memory: no file in /dev/shm, nothing to clean up, gone with the
+last process that holds it). The reader opens ``/proc/<writer pid>/fd/<n>`` (same user, same
+machine), maps it private and closes it (the mapping holds no descriptor; it goes when the last
+object that uses it does): no copy until it writes, and then only the pages it writes, so each
+rank's tensor stays its own.
+
+The writer holds its memfds until the reader has mapped them: the kernel until the cell ends, a
+rank until the kernel's next message. A reader on another machine can't open them: values to or
+from such a rank travel in-band, as before (:func:`dump_shared` with ``local=False``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import pickle
+import sys
+import weakref
+from dataclasses import dataclass, field
+
+__all__ = ["SharedValue", "dump_shared", "load_shared", "IN_BAND_UNDER"]
+
+IN_BAND_UNDER = 1 << 16  # buffers smaller than this travel in the pickle itself
+
+
+@dataclass
+class SharedValue:
+    """A value as it crosses: the pickle without its big buffers, and where each buffer is.
+
+    ``fds`` are the writer's descriptors (numbers in ``/proc/<pid>/fd``), open in the writer only;
+    it closes them (:meth:`close`) once the reader has mapped them.
+    """
+
+    data: bytes
+    pid: int
+    fds: list[int] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+    def close(self) -> None:
+        """The writer's side: let go of the buffers (a reader's mapping keeps them alive)."""
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+    @property
+    def shared_bytes(self) -> int:
+        return sum(self.sizes)
+
+
+def _tensor_buffer(obj):
+    """``(rebuild, args)`` that give a CPU tensor's bytes to pickle 5 as one buffer, or None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor) or type(obj) is not torch.Tensor:
+        return None
+    if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized or obj.requires_grad:
+        return None
+    if obj.numel() * obj.element_size() < IN_BAND_UNDER:
+        return None
+    flat = obj.detach().contiguous().reshape(-1)
+    raw = flat.view(torch.uint8).numpy()
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+
+
+def _rebuild_tensor(buffer, dtype: str, shape: tuple):
+    import torch
+
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _pickler_class():
+    from nbdist.protocol.pickling import SourceKeepingPickler
+
+    class SharingPickler(SourceKeepingPickler):
+        def reducer_override(self, obj):
+            shared = _tensor_buffer(obj)
+            return shared if shared is not None else super().reducer_override(obj)
+
+    return SharingPickler
+
+
+def dump_shared(value, what: str, local: bool = True) -> SharedValue:
+    """Pickle ``value``; with ``local``, its big buffers go into memfds that this process holds.
+
+    Raises the one-line TypeError of :func:`nbdist.protocol.rundir.dump_pickle_checked` for a
+    value that can't be pickled.
+    """
+    import io
+
+    from nbdist.protocol.rundir import dump_pickle_checked
+
+    if not local:
+        return SharedValue(dump_pickle_checked(value, what), os.getpid())
+    buffers: list = []
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        if buf.raw().nbytes < IN_BAND_UNDER:
+            return True  # truthy: this one stays in the pickle
+        buffers.append(buf)
+        return False
+
+    out = io.BytesIO()
+    try:
+        _pickler_class()(out, protocol=5, buffer_callback=out_of_band).dump(value)
+    except Exception:  # the one-line error, from the plain path
+        dump_pickle_checked(value, what)
+        raise
+    shared = SharedValue(out.getvalue(), os.getpid())
+    try:
+        for buf in buffers:
+            raw = buf.raw()
+            fd = os.memfd_create("nbdist-value", os.MFD_CLOEXEC)
+            shared.fds.append(fd)
+            shared.sizes.append(raw.nbytes)
+            os.ftruncate(fd, raw.nbytes)
+            with mmap.mmap(fd, raw.nbytes) as target:
+                target[:] = raw.cast("B")  # the one copy
+    except BaseException:
+        shared.close()
+        raise
+    return shared
+
+
+def load_shared(shared: SharedValue):
+    """The value, its big buffers mapped copy-on-write from the writer's memfds (no copy here)."""
+    buffers = [_map_private(f"/proc/{shared.pid}/fd/{fd}", size) for fd, size in zip(shared.fds, shared.sizes)]
+    return pickle.loads(shared.data, buffers=buffers)
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    return libc
+
+
+def _map_private(path: str, size: int):
+    """A private (copy-on-write) mapping of ``path``, as a writable buffer unmapped when nothing holds it.
+
+    Not ``mmap.mmap``: it keeps a duplicate of the file descriptor for the mapping's whole life, and
+    a rank holding many pushed tensors would run out of descriptors.
+    """
+    libc = _libc()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    finally:
+        os.close(fd)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        err = ctypes.get_errno()
+        raise OSError(err, f"can't map {path}: {os.strerror(err)}")
+    buffer = (ctypes.c_ubyte * size).from_address(addr)
+    weakref.finalize(buffer, libc.munmap, addr, size)
+    return buffer
