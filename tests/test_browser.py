@@ -7,142 +7,31 @@ a screenshot under ``.artifacts/screenshots``.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
-import subprocess
-import sys
-import urllib.request
 
 import conftest
 import nbformat
-import psutil
 import pytest
 from conftest import ROOT, marked_pids, wait_for
+from lab_browser import Notebook, missing_for_lab, running_lab
 
 pytestmark = pytest.mark.browser
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SHOTS = os.path.join(ROOT, ".artifacts", "screenshots")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-
-
-def _missing() -> str | None:
-    if not os.path.exists(CHROMIUM):
-        return "Debian's chromium is not installed (apt-get install chromium)"
-    for module in ("playwright", "jupyterlab"):
-        try:
-            __import__(module)
-        except ImportError:
-            return f"{module} is not installed (pip install {module})"
-    return None
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    reason = _missing()
+    reason = missing_for_lab()
     if reason:
         if os.environ.get("CI"):
             pytest.fail(f"browser suite can't run in CI: {reason}")
         pytest.skip(reason)
-    home = tmp_path_factory.mktemp("labhome")
-    root = tmp_path_factory.mktemp("labroot")
-    settings = home / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false",
-                                                                          "checkForUpdates": False}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token = "nbdist-browser-test"
-    env = dict(os.environ, HOME=str(home), JUPYTER_CONFIG_DIR=str(home / "config"),
-               JUPYTER_RUNTIME_DIR=str(home / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(home / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0"]
-    if os.getuid() == 0:
-        cmd.append("--allow-root")
-    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(home / "lab.log", "wb"))
-    base = f"http://127.0.0.1:{port}"
-
-    def api(path, method="GET"):
-        req = urllib.request.Request(f"{base}{path}", method=method, headers={"Authorization": f"token {token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-        return json.loads(body) if body else None
-
-    def up():
-        try:
-            return api("/api/status") is not None
-        except OSError:
-            return False
-
-    wait_for(up, 60, interval=0.2, what="jupyter lab to answer")
-    from playwright.sync_api import sync_playwright
-
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    pw = sync_playwright().start()
-    browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-    # The browser's own helper processes come and go with pages; they are not a run's processes.
-    conftest.IGNORED_TREES.update(p.pid for p in psutil.Process().children(recursive=True)
-                                  if p.pid not in before)
     os.makedirs(SHOTS, exist_ok=True)
     print(f"\nscreenshots: {SHOTS}")
-    yield {"base": base, "token": token, "root": root, "api": api, "browser": browser}
-    browser.close()
-    pw.stop()
-    server.terminate()
-    server.wait(timeout=20)
-
-
-class Notebook:
-    """One notebook open in JupyterLab, with its cells run the way a person runs them."""
-
-    def __init__(self, lab, name, cells):
-        self.lab, self.name = lab, name
-        nb = nbformat.v4.new_notebook()
-        nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        nbformat.write(nb, os.path.join(lab["root"], f"{name}.ipynb"))
-        self.page = lab["browser"].new_page(viewport={"width": 1280, "height": 900})
-        # A workspace of its own, reset: JupyterLab must not reopen an earlier test's notebook.
-        self.page.goto(f"{lab['base']}/lab/workspaces/{name}/tree/{name}.ipynb?reset&token={lab['token']}")
-        self.cell(0).wait_for(timeout=60_000)
-        wait_for(self._kernel_idle, 60, interval=0.2, what="the notebook's kernel to be idle")
-        self.shot_no = 0
-
-    def _kernel_idle(self):
-        sessions = [s for s in self.lab["api"]("/api/sessions") if s["path"].endswith(f"{self.name}.ipynb")]
-        return sessions and sessions[0]["kernel"]["execution_state"] == "idle"
-
-    def cell(self, i):
-        return self.page.locator(".jp-NotebookPanel:visible .jp-Notebook .jp-Cell").nth(i)
-
-    def output(self, i):
-        return self.cell(i).locator(".jp-Cell-outputArea")
-
-    def run(self, i):
-        self.cell(i).locator(".jp-InputArea-editor").click()
-        self.page.keyboard.press("Shift+Enter")
-
-    def wait_done(self, i, timeout=120):
-        """The cell's prompt shows a number (not "*") once it has run."""
-        prompt = self.cell(i).locator(".jp-InputArea-prompt")
-        wait_for(lambda: (prompt.inner_text() or "").strip() not in ("", "[*]:", "[ ]:"), timeout,
-                 interval=0.2, what=f"cell {i} to finish")
-
-    def shot(self, step):
-        self.shot_no += 1
-        path = os.path.join(SHOTS, f"{self.name}-{self.shot_no:02d}-{step}.png")
-        self.page.screenshot(path=path, full_page=True)
-        return path
-
-    def close(self):
-        self.page.close()
-        for s in self.lab["api"]("/api/sessions"):
-            self.lab["api"](f"/api/sessions/{s['id']}", method="DELETE")
+    with running_lab(tmp_path_factory.mktemp("labhome"), tmp_path_factory.mktemp("labroot"),
+                     conftest.IGNORED_TREES.update) as lab:
+        yield lab
 
 
 @pytest.fixture
@@ -150,7 +39,7 @@ def notebook(lab):
     opened = []
 
     def open_(name, *cells):
-        nb = Notebook(lab, name, ["%load_ext nbdist", *cells])
+        nb = Notebook(lab, name, ["%load_ext nbdist", *cells], shots=SHOTS)
         opened.append(nb)
         nb.run(0)
         nb.wait_done(0)

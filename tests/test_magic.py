@@ -107,6 +107,22 @@ def test_pull_brings_rank_0_values_back(kernel):
     assert kernel.run("(loss, curve)").result == "(0.5, [1.0, 0.7, 0.5])"
 
 
+def test_big_values_travel_mapped_and_leave_nothing_in_the_run_dir(kernel):
+    """A 16 MB tensor and a numpy array in and out of a one-shot cell: the ranks map the kernel's
+    one written copy (each rank's writes stay its own), rank 0's --pull and return value come back
+    mapped the same way, and the run dir keeps none of it once the cell ended."""
+    kernel.run("import torch, numpy as np\nbig = torch.arange(4 << 20, dtype=torch.float32)\n"
+               "arr = np.ones((512, 1024))")
+    res = kernel.run("%%distributed -n 2 --view text --push arr --pull out,arr\nimport os, torch\n"
+                     "r = int(os.environ['RANK'])\nbig[0] = r - 1\narr *= r + 2\n"
+                     "out = torch.full((1 << 20,), float(r))\n(float(big[0]), float(big[-1]), float(arr.sum()))")
+    assert res.status == "ok", res.error_text
+    assert res.result == repr((-1.0, float((4 << 20) - 1), float(512 * 1024 * 2))), "rank 0's own copy"
+    checks = kernel.run("import os\n(float(big[0]), float(out.sum()), float(arr.sum()), "
+                        "sorted(f for f in os.listdir(_dist.run_dir) if f.endswith('.pkl')))")
+    assert checks.result == f"(0.0, 0.0, {float(512 * 1024 * 2)}, [])", "the notebook's own values untouched"
+
+
 def test_failing_rank_shows_root_cause_with_the_editors_line(kernel):
     res = kernel.run(
         "%%distributed -n 3 --view text\n"          # line 1

@@ -19,7 +19,7 @@ from nbdist.errors import LaunchConfigError
 from nbdist.frontend.cell_source import CellSource, find_read_names
 from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
-from nbdist.protocol.rundir import PULL_FILE
+from nbdist.protocol.rundir import PULL_FILE, PUSH_FILE
 from nbdist.worker.cell import run_cell
 
 __all__ = ["CellJob", "prepare_cell", "write_cell", "start_cell", "finish_cell", "run_attached_cell", "attached_world",
@@ -59,7 +59,7 @@ class CellJob:
     run_id: str
     run_dir: str
     cell_file: str
-    pushed: dict = field(default_factory=dict)  # name -> pickled bytes
+    pushed: list = field(default_factory=list)  # names of the notebook values in PUSH_FILE
     modules: dict = field(default_factory=dict)  # name -> module name
     pull: list = field(default_factory=list)
     tree: object = None  # the cell's parsed source
@@ -127,25 +127,43 @@ def write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull
     job = CellJob(args, options, engine, run_id, run_dir, cell_file, pull=pull)
     # Only names the cell reads travel: an unpicklable, unrelated notebook variable never matters.
     job.tree = tree
+    values = {}
     for name in sorted((find_read_names(tree) - set(on_ranks)) | set(push)):
         if name not in user_ns or (name in hidden and name not in push):
             continue
         value = user_ns[name]
         if isinstance(value, types.ModuleType):
             job.modules[name] = value.__name__  # re-imported by name in the rank
-            continue
-        try:
-            job.pushed[name] = rundir.dump_pickle_checked(value, f"notebook variable {name!r}")
-        except TypeError as exc:
-            raise UsageError(f"{exc} (or name it in neither the cell nor --push)") from None
+        else:
+            values[name] = value
+    if values:
+        write_pushed(os.path.join(run_dir, PUSH_FILE), values)
+        job.pushed = sorted(values)
     return job
+
+
+def write_pushed(path: str, values: dict) -> None:
+    """Write the notebook values a cell reads where its ranks map them (big buffers are not copied
+    again); a value that can't travel is a UsageError that names it."""
+    from nbdist.protocol.pickling import dump_pickle_checked
+    from nbdist.protocol.shared_values import write_value_file
+
+    try:
+        write_value_file(path, values, "the notebook variables")
+    except TypeError:
+        for name, value in values.items():  # which one: the one-line error names it
+            try:
+                dump_pickle_checked(value, f"notebook variable {name!r}")
+            except TypeError as exc:
+                raise UsageError(f"{exc} (or name it in neither the cell nor --push)") from None
+        raise
 
 
 def start_cell(shell, job: CellJob):
     """Start the ranks for a prepared cell; ``_dist`` is the Run from now on."""
     from nbdist.run.start import start_run
 
-    rank_args = (job.cell_file, job.pushed, job.modules, job.pull)
+    rank_args = (job.cell_file, bool(job.pushed), job.modules, job.pull)
     world = attached_world(job)
     if world is not None:  # --nprocs in a kernel that is a rank: each kernel spawns its own ranks
         from nbdist.run.per_kernel import start_per_kernel
@@ -161,8 +179,6 @@ def start_cell(shell, job: CellJob):
 
 def finish_cell(shell, job: CellJob, run):
     """Bring back ``--pull`` variables and return rank 0's value (the cell's result)."""
-    import pickle
-
     if job.channel is not None:
         from nbdist.run.per_kernel import gather_per_kernel
 
@@ -170,16 +186,16 @@ def finish_cell(shell, job: CellJob, run):
     else:
         results = run.wait()
     if job.pull:
+        from nbdist.protocol.shared_values import read_value_file
+
         path = os.path.join(job.run_dir, PULL_FILE)
         try:
-            with open(path, "rb") as fh:
-                pulled = pickle.load(fh)
+            pulled = read_value_file(path)  # big buffers mapped, not copied
         except FileNotFoundError:
             pulled = {"values": {}, "missing": job.pull}
         else:
             os.unlink(path)  # the values are the notebook's now: the run dir keeps its logs only
-        for name, blob in pulled["values"].items():
-            shell.user_ns[name] = pickle.loads(blob)
+        shell.user_ns.update(pulled["values"])
         if pulled["missing"]:
             print(f"nbdist: --pull: rank 0 has no variable named {', '.join(pulled['missing'])}")
     first = min(results) if results else None  # rank 0's, or the lowest rank's when --ranks left it out

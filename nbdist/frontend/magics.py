@@ -64,8 +64,9 @@ def _launch_cell(shell, line: str, cell: str):
     if session is not None and not args.fresh:
         job, run = launch_session_cell(shell, session, args, line, cell)
     else:
-        if args.ranks is not None:
-            raise UsageError("--ranks is for a session's cells: %dist_start first")
+        if args.ranks is not None or args.check_collectives:
+            flag = "--ranks" if args.ranks is not None else "--check-collectives"
+            raise UsageError(f"{flag} is for a session's cells: %dist_start first")
         job = prepare_cell(shell, args, line, cell)
         if attached_world(job) is not None and not job.args.nprocs:
             return job, None, run_attached_cell(shell, job)
@@ -157,6 +158,8 @@ class DistributedMagics(Magics):
                    "text: rank-prefixed lines")
     @argument("--ranks", default=None, help="in a session: comma-separated ranks to run on (the others stay idle)")
     @argument("--fresh", action="store_true", help="run on new one-shot ranks even while a session is live")
+    @argument("--check-collectives", action="store_true",
+              help="in a session: the ranks compare each collective (op, shapes, dtypes) before they issue it")
     @cell_magic
     def distributed(self, line, cell):
         """Run this cell on N PyTorch ranks, with each rank's output live.
@@ -179,6 +182,8 @@ class DistributedMagics(Magics):
     @session_world_arguments
     @argument("--start-timeout", type=float, default=None,
               help="seconds the ranks may take to come up (default 120, or 4 per rank); then it says which did not")
+    @argument("--check-collectives", action="store_true",
+              help="every cell: the ranks compare each collective (op, shapes, dtypes) before they issue it")
     @line_magic
     def dist_start(self, line):
         """Start the notebook's session: ranks that live across cells; ``%%distributed`` cells then run in it.
@@ -195,7 +200,8 @@ class DistributedMagics(Magics):
         from nbdist.frontend.session_magics import start_session
 
         args = parse_argstring(self.dist_start, line)
-        start_session(self.shell, world_options(args), start_timeout=args.start_timeout)
+        start_session(self.shell, world_options(args), start_timeout=args.start_timeout,
+                      check_collectives=args.check_collectives)
 
     @line_magic
     def dist_stop(self, line):

@@ -32,13 +32,14 @@ def live_session() -> Session | None:
     return _SESSION if _SESSION is not None and _SESSION.status != "closed" else None
 
 
-def start_session(shell, options, start_timeout=None) -> Session:
+def start_session(shell, options, start_timeout=None, check_collectives=False) -> Session:
     """``%dist_start``: start the ranks in the background and show them come up."""
     global _SESSION
     if live_session() is not None:
         raise UsageError(f"a session is live already ({_describe(_SESSION)}): %dist_stop or %dist_restart first")
     try:
-        _SESSION = Session(**options.session_kwargs(), start_timeout=start_timeout)
+        _SESSION = Session(**options.session_kwargs(), start_timeout=start_timeout,
+                           check_collectives=check_collectives)
     except LaunchConfigError as exc:
         raise UsageError(str(exc)) from None
     _SESSION.restart_hint = MAGIC_RESTART_HINT
@@ -72,13 +73,18 @@ def show_stacks() -> None:
     if session is None or session.status in ("starting", "broken"):
         raise UsageError("%dist_stacks shows a live session's ranks (%dist_start); a one-shot run dumps its "
                          "stacks with --timeout")
-    dumps = session.stacks()
+    dumps, collectives = session.stacks(), session.collectives()
     for rank, pid in session.pids.items():
-        dump = dumps.get(rank)
+        dump, report = dumps.get(rank), collectives.get(rank)
         if dump is None:
             print(f"===== rank {rank} (pid {pid}): no stack came back (is it stuck outside Python?)")
-            continue
-        print(f"===== rank {rank} (pid {pid}): {dump.where}\n{dump.main}")
+        else:
+            print(f"===== rank {rank} (pid {pid}): {dump.where}")
+        if report is not None:  # beside the stack: the collective it waits in, from its flight recorder
+            print(f"  collective: {report['open'][0] if report['open'] else 'none open'}"
+                  + (f" (last: {report['last'][-1]})" if report["last"] and not report["open"] else ""))
+        if dump is not None:
+            print(dump.main)
 
 
 def _describe(session: Session) -> str:
@@ -186,8 +192,9 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     try:
         job = write_cell(shell, args, options, None, CellSource(line, cell), f"{inc.session_id}", cell_dir, push,
                          pull, on_ranks=inc.defined_names)
-        rundir.write_payload(cell_dir, run_cell, (job.cell_file, job.pushed, job.modules, job.pull), {})
-        handle = inc.start_cell(cell_dir, targets, args.timeout)
+        rundir.write_payload(cell_dir, run_cell, (job.cell_file, bool(job.pushed), job.modules, job.pull), {})
+        handle = inc.start_cell(cell_dir, targets, args.timeout,
+                                check_collectives=args.check_collectives or session.check_collectives)
     except BaseException:
         rundir.discard_run_dir(cell_dir)
         raise

@@ -13,7 +13,7 @@ import types
 
 import cloudpickle
 
-__all__ = ["dumps", "SourceKeepingPickler"]
+__all__ = ["dumps", "dump_pickle_checked", "SourceKeepingPickler"]
 
 _DYNAMIC = "<dynamic-code>"
 
@@ -35,3 +35,14 @@ def dumps(obj) -> bytes:
     buf = io.BytesIO()
     SourceKeepingPickler(buf, protocol=cloudpickle.DEFAULT_PROTOCOL).dump(obj)
     return buf.getvalue()
+
+
+def dump_pickle_checked(value, what: str) -> bytes:
+    """cloudpickle ``value``, or raise a one-line TypeError that names ``what`` and its type."""
+    try:
+        return dumps(value)
+    except Exception as exc:  # pickling raises anything: TypeError, PicklingError, AttributeError...
+        raise TypeError(
+            f"{what} of type {type(value).__module__}.{type(value).__qualname__} can't be sent to the ranks: "
+            f"{type(exc).__name__}: {exc}. Create it inside the function, or pass something picklable."
+        ) from None

@@ -35,7 +35,6 @@ __all__ = [
     "read_spec",
     "write_payload",
     "read_payload",
-    "dump_pickle_checked",
     "write_result",
     "read_result",
     "has_result",
@@ -48,6 +47,7 @@ __all__ = [
     "RankPid",
     "log_path",
     "PULL_FILE",
+    "PUSH_FILE",
     "RUN_ID_ENV",
     "RUN_DIR_ENV",
 ]
@@ -55,6 +55,7 @@ __all__ = [
 RUN_ID_ENV = "NBDIST_RUN_ID"
 RUN_DIR_ENV = "NBDIST_RUN_DIR"
 PULL_FILE = "pull.pkl"  # the --pull variables rank 0 leaves for the kernel
+PUSH_FILE = "pushed.pkl"  # the notebook values a cell reads
 
 
 @dataclass
@@ -186,19 +187,6 @@ def read_spec(run_dir: str) -> RunSpec:
         return RunSpec(**json.load(fh))
 
 
-def dump_pickle_checked(value, what: str) -> bytes:
-    """cloudpickle ``value``, or raise a one-line TypeError that names ``what`` and its type."""
-    from nbdist.protocol.pickling import dumps
-
-    try:
-        return dumps(value)
-    except Exception as exc:  # pickling raises anything: TypeError, PicklingError, AttributeError...
-        raise TypeError(
-            f"{what} of type {type(value).__module__}.{type(value).__qualname__} can't be sent to the ranks: "
-            f"{type(exc).__name__}: {exc}. Create it inside the function, or pass something picklable."
-        ) from None
-
-
 def _collect_notebook_sources(limit_bytes: int = 4_000_000) -> dict[str, list[str]]:
     """Source lines of code that lives only in this process's linecache (notebook cells).
 
@@ -222,6 +210,8 @@ def _collect_notebook_sources(limit_bytes: int = 4_000_000) -> dict[str, list[st
 def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None) -> None:
     """cloudpickle ``fn`` with its arguments into ``payload.pkl``; errors name the bad argument."""
     import pickle
+
+    from nbdist.protocol.pickling import dump_pickle_checked
 
     kwargs = dict(kwargs or {})
     if not callable(fn):
@@ -255,18 +245,18 @@ def log_path(run_dir: str, rank: int, stream: str) -> str:
 
 
 def write_result(run_dir: str, rank: int, value) -> None:
-    data = dump_pickle_checked(value, f"the return value of rank {rank}")
-    write_private(os.path.join(run_dir, f"result.{rank}.pkl"), data)
+    """Leave the rank's value for the kernel, big tensors and arrays as buffers it maps."""
+    from nbdist.protocol.shared_values import write_value_file
+
+    write_value_file(os.path.join(run_dir, f"result.{rank}.pkl"), value, f"the return value of rank {rank}")
 
 
 def read_result(run_dir: str, rank: int):
     """Return ``(True, value)`` or ``(False, None)`` when the rank wrote no result."""
-    import pickle
+    from nbdist.protocol.shared_values import read_value_file
 
-    path = os.path.join(run_dir, f"result.{rank}.pkl")
     try:
-        with open(path, "rb") as fh:
-            return True, pickle.load(fh)
+        return True, read_value_file(os.path.join(run_dir, f"result.{rank}.pkl"))
     except FileNotFoundError:
         return False, None
 

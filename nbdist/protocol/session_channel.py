@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 
-__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "set_nodelay", "load_value"]
+__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "set_nodelay", "load_value"]
 
 
 SESSION_KEY_FILE = "session.key"
@@ -35,6 +35,8 @@ CUT_REQUEST = "cut"  # the file, in a cell's dir, by which the kernel asks the r
 # The file, in a cell's dir, that makes the SIGINT sent with it a stop of that cell: a signal that
 # reaches a rank after the cell ended (it answered on its own meanwhile) can't stop the next one.
 STOP_REQUEST = "stop"
+# Where a rank, asked by COLLECTIVES_SIGNAL, writes what it waits in (in the running cell's dir).
+COLLECTIVES_FILE = "collectives.{rank}.json"
 
 
 def load_value(body):

@@ -25,7 +25,7 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 
-__all__ = ["SharedValue", "dump_shared", "load_shared", "IN_BAND_UNDER"]
+__all__ = ["SharedValue", "dump_shared", "load_shared", "write_value_file", "read_value_file", "IN_BAND_UNDER"]
 
 IN_BAND_UNDER = 1 << 16  # buffers smaller than this travel in the pickle itself
 
@@ -89,24 +89,18 @@ def _pickler_class():
     return SharingPickler
 
 
-def dump_shared(value, what: str, local: bool = True) -> SharedValue:
-    """Pickle ``value``; with ``local``, its big buffers go into memfds that this process holds.
-
-    Raises the one-line TypeError of :func:`nbdist.protocol.rundir.dump_pickle_checked` for a
-    value that can't be pickled.
-    """
+def _dump_out_of_band(value, what: str) -> tuple[bytes, list]:
+    """The pickle of ``value`` without its big buffers, and those buffers (pickle protocol 5)."""
     import io
 
-    from nbdist.protocol.rundir import dump_pickle_checked
+    from nbdist.protocol.pickling import dump_pickle_checked
 
-    if not local:
-        return SharedValue(dump_pickle_checked(value, what), os.getpid())
     buffers: list = []
 
     def out_of_band(buf: pickle.PickleBuffer) -> bool:
         if buf.raw().nbytes < IN_BAND_UNDER:
             return True  # truthy: this one stays in the pickle
-        buffers.append(buf)
+        buffers.append(buf.raw().cast("B"))
         return False
 
     out = io.BytesIO()
@@ -115,16 +109,29 @@ def dump_shared(value, what: str, local: bool = True) -> SharedValue:
     except Exception:  # the one-line error, from the plain path
         dump_pickle_checked(value, what)
         raise
-    shared = SharedValue(out.getvalue(), os.getpid())
+    return out.getvalue(), buffers
+
+
+def dump_shared(value, what: str, local: bool = True) -> SharedValue:
+    """Pickle ``value``; with ``local``, its big buffers go into memfds that this process holds.
+
+    Raises the one-line TypeError of :func:`nbdist.protocol.pickling.dump_pickle_checked` for a
+    value that can't be pickled.
+    """
+    from nbdist.protocol.pickling import dump_pickle_checked
+
+    if not local:
+        return SharedValue(dump_pickle_checked(value, what), os.getpid())
+    data, buffers = _dump_out_of_band(value, what)
+    shared = SharedValue(data, os.getpid())
     try:
-        for buf in buffers:
-            raw = buf.raw()
+        for raw in buffers:
             fd = os.memfd_create("nbdist-value", os.MFD_CLOEXEC)
             shared.fds.append(fd)
             shared.sizes.append(raw.nbytes)
             os.ftruncate(fd, raw.nbytes)
             with mmap.mmap(fd, raw.nbytes) as target:
-                target[:] = raw.cast("B")  # the one copy
+                target[:] = raw  # the one copy
     except BaseException:
         shared.close()
         raise
@@ -146,7 +153,62 @@ def _libc():
     return libc
 
 
-def _map_private(path: str, size: int):
+def write_value_file(path: str, value, what: str) -> None:
+    """Write ``value`` to ``path`` so that readers map its big buffers instead of unpickling them.
+
+    For what outlives its writer (a one-shot rank's ``--pull`` variables and return value, a
+    cell's pushed values): the pickle, then each big buffer at a page boundary, then where each
+    one is. Written once (the one copy, into the page cache), atomically (nobody maps half a file),
+    mode 0600; readers on other machines of a shared filesystem read it the same way.
+    """
+    data, buffers = _dump_out_of_band(value, what)
+    page = mmap.ALLOCATIONGRANULARITY
+    places, offset = [], len(data)
+    for raw in buffers:
+        offset = -(-offset // page) * page
+        places.append((offset, raw.nbytes))
+        offset += raw.nbytes
+    trailer = pickle.dumps((len(data), places))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        _write_all(fd, data)
+        for (offset, _), raw in zip(places, buffers):
+            os.lseek(fd, offset, os.SEEK_SET)
+            _write_all(fd, raw)
+        os.lseek(fd, 0, os.SEEK_END)
+        _write_all(fd, trailer + len(trailer).to_bytes(8, "little"))
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)  # a new inode: a reader's mapping of an older file never changes under it
+
+
+def _write_all(fd: int, data) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def read_value_file(path: str):
+    """The value :func:`write_value_file` left at ``path``, its big buffers mapped copy-on-write.
+
+    The mappings don't need the file: the caller may delete it as soon as this returns.
+    """
+    with open(path, "rb") as fh:
+        fh.seek(-8, os.SEEK_END)
+        trailer_size = int.from_bytes(fh.read(8), "little")
+        fh.seek(-8 - trailer_size, os.SEEK_END)
+        data_size, places = pickle.loads(fh.read(trailer_size))
+        fh.seek(0)
+        data = fh.read(data_size)
+    buffers = [_map_private(path, size, offset) for offset, size in places]
+    return pickle.loads(data, buffers=buffers)
+
+
+def _map_private(path: str, size: int, offset: int = 0):
     """A private (copy-on-write) mapping of ``path``, as a writable buffer unmapped when nothing holds it.
 
     Not ``mmap.mmap``: it keeps a duplicate of the file descriptor for the mapping's whole life, and
@@ -155,7 +217,7 @@ def _map_private(path: str, size: int):
     libc = _libc()
     fd = os.open(path, os.O_RDONLY)
     try:
-        addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+        addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, offset)
     finally:
         os.close(fd)
     if addr is None or addr == ctypes.c_void_p(-1).value:

@@ -9,7 +9,8 @@ import contextlib
 import ctypes
 import signal
 
-__all__ = ["PARENT_DIED_SIGNAL", "STACK_DUMP_SIGNAL", "CUT_SIGNAL", "set_pdeathsig", "dump_signal_held"]
+__all__ = ["PARENT_DIED_SIGNAL", "STACK_DUMP_SIGNAL", "CUT_SIGNAL", "COLLECTIVES_SIGNAL", "set_pdeathsig",
+           "dump_signal_held"]
 
 # prctl(2)'s option number: ask the kernel for a signal when the parent thread dies.
 
@@ -29,6 +30,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 # its own waits for it with sigwait: the main thread may be inside C code). Blocked in every
 # thread of every rank from the start, so it is never delivered anywhere else.
 CUT_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
+
+# A session rank writes the collectives it waits in (its flight recorder) into the running cell's
+# dir on this one; the same thread as the cut's takes it, blocked everywhere else the same way.
+COLLECTIVES_SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else None
 
 
 def set_pdeathsig(sig: int) -> bool:

@@ -70,6 +70,7 @@ class CellHandle(EventSource):
         self.note: str | None = None  # what the session did to bring the ranks in step after this cell
         self.announced = False  # a session across kernels told the other nodes that this cell stopped
         self.stopped_by: str | None = None  # another node's kernel stopped its part first, and why
+        self.collectives = ""  # which collective each rank waited in when it was stopped (flight recorders)
         self.started = time.monotonic()
         self.ended: float | None = None
         self.run_id = f"{incarnation.session_id}/{cell_id}"

@@ -32,8 +32,11 @@ class CellLevel:
         cell = self._submit(lambda cell_dir: rundir.write_payload(cell_dir, fn, args, kwargs), ranks, timeout)
         return cell if not join else cell.wait()
 
-    def execute(self, code: str, ranks=None, timeout=None, join=True):
-        """Run source text on the ranks, in their ``__main__``: its last expression is each rank's value."""
+    def execute(self, code: str, ranks=None, timeout=None, join=True, check_collectives=None):
+        """Run source text on the ranks, in their ``__main__``: its last expression is each rank's value.
+
+        ``check_collectives`` (default: the session's setting) makes the ranks compare each
+        collective before they issue it (see :class:`nbdist.Session`)."""
         import ast
 
         from nbdist.worker.cell import run_cell
@@ -43,9 +46,9 @@ class CellLevel:
             text = code if code.endswith("\n") else code + "\n"
             ast.parse(text, filename=cell_file)  # a SyntaxError names the line before anything runs
             rundir.write_private(cell_file, text.encode("utf-8"))  # tracebacks show the code's own lines
-            rundir.write_payload(cell_dir, run_cell, (cell_file, {}, {}, []), {})
+            rundir.write_payload(cell_dir, run_cell, (cell_file, False, {}, []), {})
 
-        cell = self._submit(write, ranks, timeout)
+        cell = self._submit(write, ranks, timeout, check_collectives)
         return cell if not join else cell.wait()
 
     def push(self, ranks=None, **values) -> None:
@@ -104,7 +107,7 @@ class CellLevel:
         finally:
             shared.close()  # every rank mapped it (or the cell ended without it)
 
-    def _submit(self, write, ranks, timeout) -> CellHandle:
+    def _submit(self, write, ranks, timeout, check_collectives=None) -> CellHandle:
         inc = self.incarnation  # one incarnation for the whole call, even if another thread restarts
         targets = inc.prepare(ranks)
         cell_dir = inc.new_cell_dir()
@@ -113,13 +116,32 @@ class CellLevel:
         except BaseException:
             rundir.discard_run_dir(cell_dir)
             raise
-        return inc.start_cell(cell_dir, targets, timeout)
+        check = self.check_collectives if check_collectives is None else check_collectives
+        return inc.start_cell(cell_dir, targets, timeout, check_collectives=check)
 
     def interrupt(self) -> None:
         """The stop button: interrupt the running cell, if any; the ranks keep their state."""
         cell = self.incarnation.active
         if cell is not None and not cell.done:
             cell.incarnation.interrupt_cell(cell)
+
+    def collectives(self, ranks=None, timeout: float = 1.0) -> dict:
+        """What each rank of the running cell waits in, from its flight recorder: ``{rank: report}``,
+        ``report["open"]`` the open collectives (oldest first), ``report["last"]`` its last ones.
+        Empty while no cell runs.
+
+        Examples
+        --------
+        >>> session.collectives()[1]["open"]
+        ['broadcast #12 float32[3] from rank 1 on the default group, waiting 4.2 s']
+        """
+        from nbdist.session.collectives import ask_open_collectives
+
+        inc = self.incarnation
+        cell = inc.active
+        if cell is None or cell.done:
+            return {}
+        return ask_open_collectives(inc, cell.cell_dir, cell.targets if ranks is None else ranks, timeout)
 
     def stacks(self, ranks=None, timeout: float = 2.0) -> dict:
         """Every rank's Python stack, now, without stopping anything: ``{rank: StackDump}``.

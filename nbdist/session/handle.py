@@ -38,7 +38,10 @@ class Session(CellLevel):
 
     Parameters are :func:`nbdist.launch`'s world options, plus ``start_timeout``: seconds the
     ranks may take to come up (default: 120, or 4 per rank beyond 30), after which the session
-    says which ranks never connected and where they were. The ranks start in the background
+    says which ranks never connected and where they were; and ``check_collectives``: before each
+    collective of every cell, the ranks compare what they call (op, group, sequence number, shapes,
+    dtypes), so a mismatch is an error that names each rank's call instead of a hang
+    (:mod:`nbdist.worker.flight_recorder`; it costs a store round trip per collective). The ranks start in the background
     (forked from the warm template when it is ready); the constructor returns at once.
 
     Attributes
@@ -62,7 +65,8 @@ class Session(CellLevel):
     """
 
     def __init__(self, nprocs=None, launcher="auto", backend="auto", env=None, run_dir=None, launcher_args=None,
-                 nnodes=1, node_rank=0, master_addr=None, master_port=None, start_method=None, start_timeout=None):
+                 nnodes=1, node_rank=0, master_addr=None, master_port=None, start_method=None, start_timeout=None,
+                 check_collectives=False):
         self.options = WorldOptions.from_call(locals()).check()
         if launcher == "attach":
             raise LaunchConfigError("an attached kernel already is a persistent rank: run cells in it directly")
@@ -70,6 +74,7 @@ class Session(CellLevel):
                                           or start_timeout <= 0):
             raise LaunchConfigError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}")
         self.start_timeout = start_timeout
+        self.check_collectives = bool(check_collectives)
         self._hint = API_RESTART_HINT
         self._lock = threading.Lock()
         self._count = 0

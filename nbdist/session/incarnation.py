@@ -396,10 +396,12 @@ class Incarnation:
         os.makedirs(cell_dir, mode=0o700)
         return cell_dir
 
-    def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False) -> CellHandle:
+    def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False,
+                   check_collectives: bool = False) -> CellHandle:
         """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once.
 
-        ``internal``: nbdist's own call while it brings the ranks in step after a user's cell.
+        ``internal``: nbdist's own call while it brings the ranks in step after a user's cell;
+        ``check_collectives``: the ranks compare each collective before they issue it.
         """
         with self.lock:
             if self.status != ("busy" if internal else "idle"):
@@ -408,7 +410,7 @@ class Incarnation:
             self.status = "busy"
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)
-        self.send(targets, ("cell", cell.cell_id, cell_dir))
+        self.send(targets, ("cell", cell.cell_id, cell_dir, {"check_collectives": bool(check_collectives)}))
         return cell
 
     def send(self, ranks, message) -> None:

@@ -20,6 +20,7 @@ from nbdist.errors import SessionLostError, format_rank_set
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import CUT_REQUEST, STOP_REQUEST
 from nbdist.protocol.signals import CUT_SIGNAL
+from nbdist.session.collectives import ask_open_collectives, describe_open_collectives
 from nbdist.session.peers import announce_stop
 from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
 
@@ -38,7 +39,7 @@ CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for ev
 def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
     """SIGINT to every busy rank (through the OS, not the busy loop). A rank still busy after
     ``release_after`` waits in C code: the free ranks drop their group connections, and the busy
-    ones cut their own (:func:`nbdist.worker.session_loop._cut_when_asked`), which fails the collective
+    ones cut their own (:func:`nbdist.worker.session_loop._answer_signals`), which fails the collective
     it waits in; one still busy :data:`STUCK_AFTER_S` later ends the incarnation.
 
     ``inc`` is the cell's incarnation; once it has ended, nothing is signalled (its pids may
@@ -51,6 +52,8 @@ def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
     interrupt_ranks(cell, inc.local_pids(busy))
     if not busy or cell.answered.wait(release_after):
         return
+    # Still busy: most likely in a collective. Where each rank is goes into the cell's messages.
+    cell.collectives = describe_open_collectives(ask_open_collectives(inc, cell.cell_dir, cell.targets))
     with inc.lock:
         waiting = cell.busy_ranks()
         free = [r for r in sorted(inc.pids) if r not in waiting]
@@ -78,7 +81,8 @@ def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
         freed += (f"; the world's {format_rank_set(inc.ranks_elsewhere())} are driven by other kernels, "
                   f"whose cell may have ended without this collective")
     inc.lose(f"the session was stopped: {format_rank_set(stuck)} could not be brought back within "
-             f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}); "
+             f"{release_after + STUCK_AFTER_S:g} s (stuck in C code{where}{freed}"
+             f"{'; ' + cell.collectives if cell.collectives else ''}); "
              f"their state is lost; {inc.restart_hint}")
 
 
@@ -145,7 +149,13 @@ def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
 
 
 def _why(inc, cell, counts: dict) -> str:
-    """What left the ranks out of step, in the words of the cell's note."""
+    """What left the ranks out of step, in the words of the cell's note (with where each rank
+    waited, when their flight recorders said)."""
+    where = f"; where each rank waited: {cell.collectives}" if cell.collectives else ""
+    return _why_out_of_step(inc, cell, counts) + where
+
+
+def _why_out_of_step(inc, cell, counts: dict) -> str:
     if cell.released and set(cell.released) >= set(inc.pids):
         return (f"{format_rank_set(cell.released)} waited in collectives that could not complete, and were released, "
                 f"each cutting its own connections")

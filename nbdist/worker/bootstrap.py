@@ -17,7 +17,8 @@ import time
 
 from nbdist.protocol import rundir
 from nbdist.protocol.rundir import RankIdentity, RunSpec
-from nbdist.protocol.signals import CUT_SIGNAL, PARENT_DIED_SIGNAL, STACK_DUMP_SIGNAL, set_pdeathsig
+from nbdist.protocol.signals import (COLLECTIVES_SIGNAL, CUT_SIGNAL, PARENT_DIED_SIGNAL, STACK_DUMP_SIGNAL,
+                                     set_pdeathsig)
 from nbdist.worker.exceptions import describe_exception
 
 __all__ = ["prepare_rank_process", "redirect_output", "export_rank_env", "bind_device", "resolve_backend", "run_payload", "run_spawned_rank", "identity_under_engine", "start_output_mirror", "main"]
@@ -100,7 +101,7 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
     parent = os.getppid()
     expected_parent = parent_pid or spec.parent_pid
     if CUT_SIGNAL is not None:  # before any thread starts: every one (torch's too) inherits the block
-        signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_SIGNAL})
+        signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_SIGNAL, COLLECTIVES_SIGNAL})
     if own_group:
         try:
             os.setsid()

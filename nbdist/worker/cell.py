@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from nbdist.protocol.rundir import PULL_FILE
+from nbdist.protocol.rundir import PULL_FILE, PUSH_FILE
 
 __all__ = ["run_cell", "RESULT_NAME"]
 
@@ -31,30 +31,35 @@ def _rewrite_last_expression(tree: ast.Module) -> ast.Module:
     return tree
 
 
-def run_cell(cell_file: str, pushed: dict, modules: dict, pull: list):
+def run_cell(cell_file: str, pushed: bool, modules: dict, pull: list):
     """Run on each rank: execute ``cell_file`` in ``__main__``; return the last expression's value.
 
-    ``pushed`` are the notebook's values the cell reads (pickled, by name), ``modules`` maps names to module names
-    to import here, and rank 0 writes the ``pull`` variables to ``pull.pkl`` in the run dir.
+    With ``pushed``, the notebook's values the cell reads are in ``pushed.pkl`` beside ``cell_file``
+    (big buffers mapped from it, copy-on-write); ``modules`` maps names to module names to import
+    here, and rank 0 leaves the ``pull`` variables in ``pull.pkl`` for the kernel.
     """
-    import pickle
+    from nbdist.protocol.shared_values import read_value_file, write_value_file
 
     main = sys.modules["__main__"].__dict__
+    here = os.path.dirname(cell_file)
     for name, module in modules.items():
         main[name] = importlib.import_module(module)
-    main.update({name: pickle.loads(blob) for name, blob in pushed.items()})
+    if pushed:
+        main.update(read_value_file(os.path.join(here, PUSH_FILE)))
     with open(cell_file, encoding="utf-8") as fh:
         source = fh.read()
     tree = _rewrite_last_expression(ast.parse(source, filename=cell_file))
     main.pop(RESULT_NAME, None)
     exec(compile(tree, cell_file, "exec"), main)
     if pull and int(os.environ.get("RANK", "0")) == 0:
-        import pickle
+        found = {n: main[n] for n in pull if n in main}
+        try:
+            write_value_file(os.path.join(here, PULL_FILE), {"values": found, "missing": [n for n in pull if n not in main]},
+                             "the --pull variables")
+        except TypeError:
+            from nbdist.protocol.pickling import dump_pickle_checked
 
-        from nbdist.protocol import rundir
-
-        found = {n: rundir.dump_pickle_checked(main[n], f"pulled variable {n!r}") for n in pull if n in main}
-        missing = [n for n in pull if n not in main]
-        path = os.path.join(os.path.dirname(cell_file), PULL_FILE)
-        rundir.write_private(path, pickle.dumps({"values": found, "missing": missing}))
+            for name, value in found.items():  # the one-line error names the one that can't travel
+                dump_pickle_checked(value, f"pulled variable {name!r}")
+            raise
     return main.pop(RESULT_NAME, None)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
+from nbdist.worker import flight_recorder
 from nbdist.worker.model_reset import reset_models, track_ddp_models
 
 __all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
@@ -68,7 +69,9 @@ class ReformableGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._store, self._timeout, self._devices = store, timeout, dict(devices)
         self._name, self._desc = name, desc
-        self.generation, self.issued = 0, 0
+        self.generation, self.issued, self.group_wide = 0, 0, 0
+        # What messages call it: torch names groups by number; the first one made is the world's.
+        self.label = "the default group" if not live_groups() else f"group {name or len(_GROUPS)}"
         self._inner = self._connect()
         _GROUPS.append(weakref.ref(self))
 
@@ -105,6 +108,7 @@ class ReformableGroup(dist.ProcessGroup):
         """Drop the connections: a peer waiting in a collective of this group fails at once."""
         inner, self._inner = self._inner, None
         self._sockets = {}
+        flight_recorder.abandon(self.label)
         if inner is None:
             return
         if "nccl" in self._devices.values():
@@ -138,7 +142,7 @@ class ReformableGroup(dist.ProcessGroup):
     def reform(self, generation: int) -> None:
         """Connect again under ``generation`` (every member must call this with the same number)."""
         self.release()
-        self.generation, self.issued = generation, 0
+        self.generation, self.issued, self.group_wide = generation, 0, 0
         self._inner = self._connect()
 
     def _target(self):
@@ -177,9 +181,24 @@ class ReformableGroup(dist.ProcessGroup):
 def _forward(name: str, counts: bool):
     def method(self, *args, **kwargs):
         target = self._target()
-        if counts:
-            self.issued += 1
-        return getattr(target, name)(*args, **kwargs)
+        if not counts:
+            return getattr(target, name)(*args, **kwargs)
+        point_to_point = name in ("send", "recv", "recv_anysource")
+        # Sequence numbers of group-wide collectives only: a send/recv is not every rank's.
+        seq = self.issued + 1 if point_to_point else self.group_wide + 1
+        entry = flight_recorder.record(self.label, seq, name, args)
+        if not point_to_point:
+            try:
+                flight_recorder.check_collective(self._store, f"nbdist-check/gen{self.generation}/", self.rank(),
+                                                 self.size(), entry, self._timeout.total_seconds())
+            except flight_recorder.CollectiveMismatchError:
+                self.group_wide += 1  # every rank that compared used this number up
+                raise
+            self.group_wide += 1
+        self.issued += 1
+        work = getattr(target, name)(*args, **kwargs)
+        flight_recorder.watch_work(entry, work)
+        return work
 
     method.__name__ = method.__qualname__ = name
     return method

@@ -24,7 +24,7 @@ import threading
 from multiprocessing.connection import Client
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import CUT_REQUEST, SESSION_KEY_FILE, STOP_REQUEST, set_nodelay
+from nbdist.protocol.session_channel import COLLECTIVES_FILE, CUT_REQUEST, SESSION_KEY_FILE, STOP_REQUEST, set_nodelay
 from nbdist.protocol.shared_values import dump_shared, load_shared
 
 __all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models"]
@@ -150,7 +150,7 @@ def serve_session(session_dir: str, address) -> None:
     from nbdist.worker import display
 
     display.install(send_display)  # display() and plt.show() reach the notebook
-    threading.Thread(target=_cut_when_asked, args=(running,), name="nbdist-cut", daemon=True).start()
+    threading.Thread(target=_answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
     send(("hello", rank, os.getpid(), socket.gethostname()))
     while True:
         try:
@@ -162,11 +162,12 @@ def serve_session(session_dir: str, address) -> None:
         if message[0] == "release":  # a peer is stuck in a collective this rank left: free it
             release_groups()
             continue
-        _, cell_id, cell_dir = message
+        _, cell_id, cell_dir, cell_options = message
         _let_go_of_values()  # the kernel mapped the last cell's values before it sent this one
         start = _log_offsets()
         send(("started", rank, cell_id, start))
         running.enter(cell_id, cell_dir)
+        _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
         try:
             kind, body = _run_one(cell_dir, rank)
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -177,7 +178,16 @@ def serve_session(session_dir: str, address) -> None:
 
             kind, body = "failed", describe_exception(exc)
         running.leave()
+        _check_collectives(None)
         send(("done", rank, cell_id, kind, body, _log_offsets()))
+
+
+def _check_collectives(cell: str | None) -> None:
+    """``--check-collectives`` for the cell that starts (None: off again when it ended)."""
+    if cell is not None or "nbdist.worker.flight_recorder" in sys.modules:  # no groups: never loaded
+        from nbdist.worker.flight_recorder import checking
+
+        checking(cell)
 
 
 def _let_go_of_values() -> None:
@@ -202,23 +212,31 @@ class _RunningCell:
             self.cell_id = self.cell_dir = None
 
 
-def _cut_when_asked(running: _RunningCell) -> None:
-    """A thread that waits for CUT_SIGNAL (blocked everywhere else, so no polling and no handler
-    that would need the main thread, which may be stuck in C) and cuts the groups' connections.
+def _answer_signals(running: _RunningCell, rank: int) -> None:
+    """A thread that waits for the kernel's signals (blocked everywhere else, so no polling and no
+    handler that would need the main thread, which may be stuck in C):
 
-    Only while the main thread still runs the cell the kernel asked about (its dir holds the
-    request): a signal that comes late, once the cell is over and the groups perhaps re-formed,
-    must not cut the new ones.
+    - CUT_SIGNAL: cut the groups' connections. Only while the main thread still runs the cell the
+      kernel asked about (its dir holds the request): a signal that comes late, once the cell is
+      over and the groups perhaps re-formed, must not cut the new ones.
+    - COLLECTIVES_SIGNAL: write what this rank waits in (its flight recorder) into the cell's dir.
     """
-    from nbdist.protocol.signals import CUT_SIGNAL
+    from nbdist.protocol.signals import COLLECTIVES_SIGNAL, CUT_SIGNAL
 
     if CUT_SIGNAL is None:
         return
     while True:
-        signal.sigwait({CUT_SIGNAL})
+        sig = signal.sigwait({CUT_SIGNAL, COLLECTIVES_SIGNAL})
         with running.lock:
-            asked = running.cell_dir is not None and os.path.exists(os.path.join(running.cell_dir, CUT_REQUEST))
-            if not asked or not _torch_groups_in_use():
+            if running.cell_dir is None:
+                continue
+            if sig == COLLECTIVES_SIGNAL:
+                from nbdist.worker.flight_recorder import write_open_collectives
+
+                with contextlib.suppress(OSError):  # a cell dir gone: the kernel no longer waits
+                    write_open_collectives(os.path.join(running.cell_dir, COLLECTIVES_FILE.format(rank=rank)), rank)
+                continue
+            if not os.path.exists(os.path.join(running.cell_dir, CUT_REQUEST)) or not _torch_groups_in_use():
                 continue
             from nbdist.worker import reformable_groups
 

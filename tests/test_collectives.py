@@ -1,0 +1,115 @@
+"""Which collective each session rank is in: the flight recorder, and ``--check-collectives``.
+
+Real gloo ranks through ``nbdist.Session`` (spawned and forked from the warm template), and the
+magics through a real kernel. The leak fixture checks that nothing outlives a test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import nbdist_kernel, wait_for
+
+import nbdist
+from nbdist.errors import RunStoppedError, WorkerFailedError
+
+SETUP = "import time, torch, torch.distributed as dist\nrank = dist.get_rank()\n"
+# Rank 0 all-reduces while rank 1 broadcasts from itself: a mismatch that hangs without a check.
+MISMATCH = ("if rank == 0:\n    dist.all_reduce(torch.ones(3))\n"
+            "else:\n    dist.broadcast(torch.ones(3), src=1)\n    dist.all_reduce(torch.ones(5))\n")
+
+
+@pytest.fixture
+def session(start_method):
+    s = nbdist.Session(nprocs=2)
+    try:
+        assert s.wait_ready(120)
+        s.execute(SETUP)
+        yield s
+    finally:
+        s.close()
+
+
+def _sum_all_reduce(session) -> dict:
+    return session.execute("x = torch.ones(4)\ndist.all_reduce(x)\nfloat(x.sum())")
+
+
+def test_the_recorder_keeps_each_rank_s_last_collectives(session):
+    session.execute("dist.all_reduce(torch.ones(2, 3))\ndist.broadcast(torch.zeros(7, dtype=torch.int64), src=1)\n"
+                    "dist.barrier()")
+    kept = session.execute("from nbdist.worker.flight_recorder import recent_collectives\n"
+                           "[(c.op, c.seq, c.tensors, c.root, c.state) for c in recent_collectives()]")
+    for rank in (0, 1):
+        assert kept[rank][-3:] == [("all_reduce", 1, ["float32[2, 3]"], None, "done"),
+                                   ("broadcast", 2, ["int64[7]"], 1, "done"),
+                                   ("barrier", 3, [], None, "done")], kept[rank]
+
+
+def test_a_stopped_hang_says_which_collective_each_rank_is_in(session):
+    cell = session.execute(MISMATCH, join=False)
+    wait_for(lambda: all(r["open"] for r in session.collectives().values()) and len(session.collectives()) == 2,
+             30, interval=0.2, what="both ranks to wait in their collectives")
+    session.interrupt()
+    with pytest.raises(RunStoppedError) as caught:
+        cell.wait(30)
+    text = str(caught.value)
+    assert "rank 0: all_reduce #1 float32[3] on the default group, waiting" in text, text
+    assert "rank 1: broadcast #1 float32[3] from rank 1 on the default group, waiting" in text, text
+    assert "the ranks called different collectives" in text, text
+    assert _sum_all_reduce(session) == {0: 8.0, 1: 8.0}, "idle, in step, usable"
+
+
+def test_check_collectives_turns_a_mismatch_into_an_error_that_names_each_call(session):
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailedError) as caught:
+        session.execute("dist.all_reduce(torch.ones(4 + rank))", check_collectives=True)
+    took = time.monotonic() - t0
+    text = str(caught.value)
+    assert "CollectiveMismatchError" in text and "rank 0: all_reduce float32[4]; rank 1: all_reduce float32[5]" in text
+    assert took < 5, f"{took:.1f} s: the mismatch is an error at once, not a hang"
+    with pytest.raises(WorkerFailedError, match="rank 0: all_reduce float32\\[3\\]; rank 1: broadcast float32\\[3\\]"):
+        session.execute(MISMATCH, check_collectives=True)
+    assert session.status == "idle"
+    assert _sum_all_reduce(session) == {0: 8.0, 1: 8.0}, "no rank issued it: the groups are in step"
+
+
+def test_checked_ddp_training_has_no_false_alarm(session):
+    session.execute("from torch.nn.parallel import DistributedDataParallel as DDP\ntorch.manual_seed(0)\n"
+                    "model = DDP(torch.nn.Linear(8, 1))\nopt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+                    "X = torch.randn(32, 8, generator=torch.Generator().manual_seed(rank))\n"
+                    "dist.send(torch.ones(1), 1) if rank == 0 else dist.recv(torch.ones(1), 0)\n",
+                    check_collectives=True)
+    losses = session.execute("out = []\nfor _ in range(5):\n    opt.zero_grad()\n"
+                             "    loss = (model(X) ** 2).mean()\n    loss.backward()\n    opt.step()\n"
+                             "    out.append(loss.item())\nout", check_collectives=True)
+    assert all(v[-1] < v[0] for v in losses.values()), losses
+
+
+def test_the_magics_check_and_show_collectives():
+    with nbdist_kernel("spawn") as k:
+        res = k.run("%%distributed -n 2 --check-collectives\nprint(1)")
+        assert res.status == "error" and "--check-collectives is for a session's cells" in res.error_text
+        assert k.run("%dist_start -n 2 --check-collectives").status == "ok"
+        res = k.run("%%distributed --view text\n" + SETUP + "dist.all_reduce(torch.ones(2 + rank))")
+        assert res.status == "error", res.stdout
+        assert "rank 0: all_reduce float32[2]; rank 1: all_reduce float32[3]" in res.error_text, res.error_text
+        assert k.run("%dist_stop").status == "ok"
+        # Unchecked (a checked cell waits for its peers in Python: the stop takes it at once).
+        assert k.run("%dist_start -n 2").status == "ok"
+        assert k.run("%%distributed --view text\n" + SETUP).status == "ok"
+        hang = "%%distributed --view text{}\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)"
+        assert k.run(hang.format(" --bg")).status == "ok"
+        time.sleep(1.5)
+        stacks = k.run("%dist_stacks")
+        assert "collective: barrier #1 on the default group, waiting" in stacks.stdout, stacks.stdout
+        assert "collective: none open" in stacks.stdout, stacks.stdout
+        assert k.run("_dist.interrupt()").status == "ok"
+        msg = k.send(hang.format(""))  # the same hang, and the stop button
+        time.sleep(2)
+        k.km.interrupt_kernel()
+        res = k.collect(msg, timeout=30)
+        said = res.stdout + res.error_text
+        assert res.status == "error" and "where each rank waited: rank 0: barrier #1 on the default group, waiting" in said, said
+        assert k.run("%%distributed --view text\nx = torch.ones(2)\ndist.all_reduce(x)\nfloat(x.sum())").result == "4.0"
+        assert k.run("%dist_stop").status == "ok"
