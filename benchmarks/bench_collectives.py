@@ -42,6 +42,28 @@ def _session(s, numel: int, iters: int, check: bool) -> float:
     return statistics.median(out.values())
 
 
+def _recorder_alone(n: int = 20000) -> float:
+    """The recorder's own CPU per collective: note it, and mark it done from its future."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from nbdist.worker import flight_recorder
+
+    class Work:  # a completed work, as gloo hands back
+        def get_future(self):
+            fut = torch.futures.Future()
+            fut.set_result([x])
+            return fut
+
+    x, opts, work = torch.ones(4), dist.AllreduceOptions(), Work()
+    t0 = time.perf_counter()
+    for i in range(n):
+        flight_recorder.watch_work(flight_recorder.record("bench", i, "allreduce", ([x], opts)), work)
+    return (time.perf_counter() - t0) / n
+
+
 def main() -> None:
     sizes = {"4 floats": 4, "1 MB": 2**18}
     rows = {}
@@ -54,6 +76,7 @@ def main() -> None:
             rows[(label, "session: forwarding + recorder")] = _session(s, numel, ARGS.iters, False)
             rows[(label, "session, --check-collectives")] = _session(s, numel, ARGS.iters, True)
     print(f"all_reduce on {ARGS.nprocs} CPU ranks (gloo), {ARGS.iters} per measure, mean per collective")
+    print(f"  the recorder alone (note + completion callback, one process): {_recorder_alone() * 1e6:.1f} us")
     for label in sizes:
         base = rows[(label, "torch's gloo group (one-shot ranks)")]
         for (size, way), seconds in rows.items():

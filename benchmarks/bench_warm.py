@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/bench_warm.py [--repeat 5] [--nprocs 4]
 
 Through a real kernel (jupyter_client): a fresh ``%%distributed -n 4`` cell with one all_reduce on
-warm ranks (the first cell after ``%load_ext nbdist`` once warm-up is done, then the median of
+warm ranks in the default view (and in the text view; the first cell after ``%load_ext nbdist`` once warm-up is done, then the median of
 the next), beside ``torch.multiprocessing.spawn`` of the same work called in that kernel. Outside
 a kernel: Accelerate's ``notebook_launcher`` (it forks), ``nbdist.launch`` from a plain script
 after warm-up, and the memory (PSS) of 4 warm ranks against 4 spawned ranks.
@@ -64,18 +64,19 @@ def bench_kernel(n: int, repeat: int, workdir: str) -> dict:
         assert k.run("%load_ext nbdist").status == "ok"
         k.run("from nbdist.warmstart.handle import current_template\ncurrent_template().wait_ready(120)")
         k.run("import benchwork, torch.multiprocessing as mp")
-        cell = f"%%distributed -n {n} --view text\nimport torch, torch.distributed as dist\n" \
+        cell = f"%%distributed -n {n}{{}}\nimport torch, torch.distributed as dist\n" \
                "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
-        first = k.run(cell)
+        first = k.run(cell.format(""))  # the default view: what a notebook user gets
         assert first.status == "ok" and first.result == f"{float(n)}", first.error_text or first.stdout
-        warm = [k.run(cell).seconds for _ in range(repeat)]
+        warm = [k.run(cell.format("")).seconds for _ in range(repeat)]
+        text = [k.run(cell.format(" --view text")).seconds for _ in range(repeat)]
         plain = [k.run("x = 1").seconds for _ in range(repeat)]
         spawn = []
         for _ in range(repeat):
             res = k.run(f"mp.spawn(benchwork.spawned, args=({n}, {_free_port()}), nprocs={n})")
             assert res.status == "ok", res.error_text
             spawn.append(res.seconds)
-        return {"first": first.seconds, "warm": warm, "plain": plain, "spawn": spawn}
+        return {"first": first.seconds, "warm": warm, "text": text, "plain": plain, "spawn": spawn}
     finally:
         k.shutdown()
 
@@ -143,10 +144,11 @@ def main() -> None:
     warm = med(k["warm"])
     print(f"{n} ranks, one gloo all_reduce, medians of {args.repeat}")
     print(f"  kernel: first %%distributed cell after %load_ext (warm-up done)  {k['first'] * 1e3:8.1f} ms")
-    print(f"  kernel: %%distributed cell, warm ranks                            {warm * 1e3:8.1f} ms")
+    print(f"  kernel: %%distributed cell, warm ranks, default view              {warm * 1e3:8.1f} ms")
+    print(f"  kernel: the same, --view text                                     {med(k['text']) * 1e3:8.1f} ms")
     print(f"  kernel: plain 'x = 1' cell                                        {med(k['plain']) * 1e3:8.1f} ms")
     print(f"  kernel: torch.multiprocessing.spawn cell                          {med(k['spawn']) * 1e3:8.1f} ms"
-          f"   warm is {med(k['spawn']) / warm:5.1f}x faster (goal >= 30x)")
+          f"   warm is {med(k['spawn']) / warm:5.1f}x faster (goal >= 50x, floor 30x)")
     print(f"  script: accelerate.notebook_launcher (fork)                       {med(s['accelerate']) * 1e3:8.1f} ms"
           f"   warm cell / notebook_launcher = {warm / med(s['accelerate']):4.2f} (goal <= 1)")
     print(f"  script: nbdist.launch after warm-up                               {med(s['launch']) * 1e3:8.1f} ms")

@@ -141,7 +141,7 @@ class CellLevel:
         cell = inc.active
         if cell is None or cell.done:
             return {}
-        return ask_open_collectives(inc, cell.cell_dir, cell.targets if ranks is None else ranks, timeout)
+        return ask_open_collectives(inc, cell, ranks, timeout)
 
     def stacks(self, ranks=None, timeout: float = 2.0) -> dict:
         """Every rank's Python stack, now, without stopping anything: ``{rank: StackDump}``.

@@ -22,9 +22,13 @@ __all__ = ["ask_open_collectives", "describe_open_collectives"]
 _POLL_S = 0.01
 
 
-def ask_open_collectives(inc, cell_dir: str, ranks, timeout: float = 0.5) -> dict[int, dict]:
-    """``{rank: report}`` of the local ``ranks`` that answered within ``timeout`` (a report has
-    ``open``: what the rank waits in, oldest first, and ``last``: its last collectives)."""
+def ask_open_collectives(inc, cell, ranks=None, timeout: float = 0.5) -> dict[int, dict]:
+    """``{rank: report}`` of the local ``ranks`` (default: the cell's busy ones) that answered within
+    ``timeout`` (a report has ``open``: what the rank waits in, oldest first, and ``last``: its last
+    collectives). A rank that ends its part of the cell meanwhile is not waited for: it has no cell
+    to answer about."""
+    ranks = cell.busy_ranks() if ranks is None else ranks
+    cell_dir = cell.cell_dir
     if COLLECTIVES_SIGNAL is None:
         return {}
     local = [r for r in sorted(ranks) if r in inc.pids and r not in inc.remote]
@@ -36,8 +40,12 @@ def ask_open_collectives(inc, cell_dir: str, ranks, timeout: float = 0.5) -> dic
     reports: dict[int, dict] = {}
     deadline = time.monotonic() + timeout
     while len(reports) < len(paths) and time.monotonic() < deadline:
-        for rank, path in paths.items():
+        busy = set(cell.busy_ranks())
+        for rank, path in list(paths.items()):
             if rank in reports:
+                continue
+            if rank not in busy:  # answered the cell meanwhile: its file may never come
+                paths.pop(rank)
                 continue
             with contextlib.suppress(OSError, ValueError):
                 with open(path, "rb") as fh:

@@ -53,7 +53,7 @@ def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
     if not busy or cell.answered.wait(release_after):
         return
     # Still busy: most likely in a collective. Where each rank is goes into the cell's messages.
-    cell.collectives = describe_open_collectives(ask_open_collectives(inc, cell.cell_dir, cell.targets))
+    cell.collectives = describe_open_collectives(ask_open_collectives(inc, cell))
     with inc.lock:
         waiting = cell.busy_ranks()
         free = [r for r in sorted(inc.pids) if r not in waiting]
