@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ class CellResult:
     updates: list = field(default_factory=list)  # update_display_data bundles, in order
     widget_outputs: dict = field(default_factory=dict)  # comm id -> last "outputs" state
     widget_values: dict = field(default_factory=dict)  # comm id -> last "value" state
+    prompts: list = field(default_factory=list)  # (prompt, answer) of each input_request, in order
     seconds: float = 0.0
 
     @property
@@ -44,11 +46,21 @@ class Kernel:
     def send(self, code: str) -> str:
         return self.kc.execute(code)
 
-    def collect(self, msg_id: str, timeout: float = 120, on_message=None) -> CellResult:
+    def collect(self, msg_id: str, timeout: float = 120, on_message=None, answers=None) -> CellResult:
+        """What the cell sends until it is idle. ``answers``: the lines typed into the stdin box, in
+        order, as a notebook user would (``input_request``); a callable gets the result so far."""
         res = CellResult(status="?")
         t0 = time.monotonic()
         while True:
-            msg = self.kc.get_iopub_msg(timeout=max(0.1, timeout - (time.monotonic() - t0)))
+            if answers is not None:
+                self._answer_stdin(answers, res)
+            left = timeout - (time.monotonic() - t0)
+            try:
+                msg = self.kc.get_iopub_msg(timeout=max(0.1, left) if answers is None else 0.05)
+            except queue.Empty:
+                if answers is not None and left > 0:
+                    continue
+                raise
             t, c = msg["msg_type"], msg["content"]
             if t == "comm_msg":  # widget updates carry the cell's parent too, but keep all
                 state = c["data"].get("state", {})
@@ -85,8 +97,21 @@ class Kernel:
         res.seconds = time.monotonic() - t0
         return res
 
-    def run(self, code: str, timeout: float = 120) -> CellResult:
-        return self.collect(self.send(code), timeout)
+    def run(self, code: str, timeout: float = 120, answers=None) -> CellResult:
+        return self.collect(self.send(code), timeout, answers=answers)
+
+    def _answer_stdin(self, answers, res: CellResult) -> None:
+        while self.kc.stdin_channel.msg_ready():
+            msg = self.kc.get_stdin_msg(timeout=1)
+            if msg["msg_type"] != "input_request":
+                continue
+            prompt = msg["content"]["prompt"]
+            if callable(answers):
+                answer = answers(prompt, res)
+            else:
+                answer = answers.pop(0) if answers else "continue"
+            res.prompts.append((prompt, answer))
+            self.kc.input(answer)
 
     def shutdown(self) -> None:
         self.kc.stop_channels()

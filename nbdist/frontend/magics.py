@@ -45,6 +45,15 @@ def _show(view) -> None:
         display(view.widget)
 
 
+def answer_debug_prompts_of(run, view) -> None:
+    """A session cell whose ranks wait in pdb: prompt in the stdin box until none waits (the view
+    drawn before each prompt: its badges say which ranks are paused, and where)."""
+    if getattr(run, "paused", None):
+        from nbdist.frontend.debugger_prompt import answer_debug_prompts
+
+        answer_debug_prompts(run, before_prompt=view.flush)
+
+
 def _stop_and_raise(run, view):
     run.interrupt()
     view.flush(final=True)
@@ -86,6 +95,7 @@ def run_cell_sync(shell, line: str, cell: str):
     try:
         while not run.done:
             view.flush()
+            answer_debug_prompts_of(run, view)
             run._done.wait(FLUSH_INTERVAL)  # wakes the moment the run ends, not at the next tick
     except KeyboardInterrupt:
         _stop_and_raise(run, view)
@@ -119,6 +129,7 @@ async def run_cell_async(line: str, cell: str):
     try:
         while not run.done:
             view.flush()
+            answer_debug_prompts_of(run, view)  # blocks in input() while ranks wait in pdb
             # Wake the moment the run ends (a warm cell takes tens of ms), else draw every tick.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ended.wait(), FLUSH_INTERVAL)
@@ -216,6 +227,26 @@ class DistributedMagics(Magics):
         from nbdist.frontend.session_magics import restart_session
 
         restart_session(self.shell)
+
+    @magic_arguments()
+    @argument("--rank", type=int, default=None, help="the rank to debug (default: the one that failed first)")
+    @line_magic
+    def dist_debug(self, line):
+        """``%dist_debug [--rank R]``: pdb in the frame where the session's last failed cell raised.
+
+        On the rank that failed first (or R), with the prompt in the stdin box and the commands of
+        ``breakpoint()`` in a session cell. A rank keeps its last failure until its next cell.
+
+        Examples
+        --------
+        ::
+
+            %dist_debug
+            %dist_debug --rank 1
+        """
+        from nbdist.frontend.session_magics import debug_last_failure
+
+        debug_last_failure(self.shell, parse_argstring(self.dist_debug, line).rank)
 
     @line_magic
     def dist_stacks(self, line):

@@ -20,7 +20,7 @@ from nbdist.protocol import rundir
 from nbdist.session.handle import Session
 from nbdist.worker.cell import run_cell
 
-__all__ = ["live_session", "start_session", "stop_session", "restart_session", "show_stacks",
+__all__ = ["live_session", "start_session", "stop_session", "restart_session", "show_stacks", "has_stdin", "debug_last_failure",
            "launch_session_cell"]
 
 _SESSION: Session | None = None
@@ -65,6 +65,41 @@ def restart_session(shell) -> Session:
     session.restart()
     _show_coming_up(shell, session)
     return session
+
+
+def has_stdin(shell) -> bool:
+    """Whether the front end answers ``input()`` (a notebook or terminal; not nbconvert or nbclient)."""
+    kernel = getattr(shell, "kernel", None)
+    return True if kernel is None else bool(getattr(kernel, "_allow_stdin", False))
+
+
+def debug_last_failure(shell, rank: int | None = None) -> None:
+    """``%dist_debug``: post-mortem pdb on the rank that failed first in the last failed cell (or ``rank``)."""
+    from nbdist.frontend.debugger_prompt import answer_debug_prompts
+    from nbdist.worker.debugger import post_mortem
+
+    session = live_session()
+    if session is None or session.status != "idle":
+        raise UsageError("%dist_debug debugs an idle session's last failed cell (%dist_start; wait for a busy cell)")
+    inc = session.incarnation
+    rank = inc.last_failed_rank if rank is None else rank
+    if rank is None or rank not in inc.pids:
+        raise UsageError("no failed cell to debug in this session" if rank is None
+                         else f"there is no rank {rank} in this session ({session.nprocs} ranks)")
+    if not has_stdin(shell):
+        print("nbdist: %dist_debug needs a stdin (a notebook or a terminal); this front end has none")
+        return
+    handle = session._submit(lambda cell_dir: rundir.write_payload(cell_dir, post_mortem, (), {}), [rank], None,
+                             stdin=True)
+    try:
+        while not handle.done:
+            answer_debug_prompts(handle)
+            handle._done.wait(0.1)
+    except KeyboardInterrupt:
+        handle.interrupt()
+        return
+    if not handle.wait().get(rank):
+        print(f"nbdist: rank {rank} has no failed cell to debug (a rank keeps its last failure until its next cell)")
 
 
 def show_stacks() -> None:
@@ -194,7 +229,8 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
                          pull, on_ranks=inc.defined_names)
         rundir.write_payload(cell_dir, run_cell, (job.cell_file, bool(job.pushed), job.modules, job.pull), {})
         handle = inc.start_cell(cell_dir, targets, args.timeout,
-                                check_collectives=args.check_collectives or session.check_collectives)
+                                check_collectives=args.check_collectives or session.check_collectives,
+                                stdin=has_stdin(shell) and not args.bg)
     except BaseException:
         rundir.discard_run_dir(cell_dir)
         raise

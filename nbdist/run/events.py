@@ -47,6 +47,7 @@ class RankStatus:
     signal_name: str | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
+    where: str | None = None  # a rank paused in the debugger: where it stands
 
     @property
     def elapsed(self) -> float:

@@ -16,12 +16,23 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from dataclasses import dataclass
 
 from nbdist.errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
 from nbdist.run.events import DisplayEvent, EventSource, OutputChunk, RankStatus, RunEvent
 from nbdist.run.retention import discard_data
 
-__all__ = ["CellHandle"]
+__all__ = ["CellHandle", "DebugStop"]
+
+
+@dataclass(frozen=True)
+class DebugStop:
+    """A rank stopped in pdb: what pdb printed before it asked, and where the rank stands."""
+
+    rank: int
+    text: str
+    where: str
+    number: int  # this cell's prompts, counted: each is shown once
 
 class CellHandle(EventSource):
     """A cell (or function) running on some ranks of a session.
@@ -52,7 +63,8 @@ class CellHandle(EventSource):
     >>> cell.interrupt()      # back to idle, the model and optimizer kept
     """
 
-    def __init__(self, incarnation, cell_id: int, ranks: list[int], cell_dir: str, internal: bool = False):
+    def __init__(self, incarnation, cell_id: int, ranks: list[int], cell_dir: str, internal: bool = False,
+                 stdin: bool = False):
         self.incarnation = incarnation  # the ranks it runs on: only they can be acted on for it
         self.internal = internal  # nbdist's own call (bringing the ranks in step), not a user's cell
         self.cell_id = cell_id
@@ -71,6 +83,11 @@ class CellHandle(EventSource):
         self.announced = False  # a session across kernels told the other nodes that this cell stopped
         self.stopped_by: str | None = None  # another node's kernel stopped its part first, and why
         self.collectives = ""  # which collective each rank waited in when it was stopped (flight recorders)
+        self.stdin = stdin  # a front end answers the ranks' pdb prompts (else a breakpoint goes on)
+        self.skipped_breakpoint = False  # said once: a breakpoint with no stdin went on
+        self.prompts = 0
+        self.paused: dict[int, DebugStop] = {}  # ranks stopped in pdb, waiting for a command
+        self.debug_changed = threading.Condition()  # a rank stopped in pdb or went on
         self.started = time.monotonic()
         self.ended: float | None = None
         self.run_id = f"{incarnation.session_id}/{cell_id}"
@@ -80,6 +97,7 @@ class CellHandle(EventSource):
         self.quiet_when_finished = True
         self.nprocs = len(self.targets)
         self.ranks = {r: RankStatus(r, "running", pid=incarnation.pids.get(r)) for r in self.targets}  # as Run.ranks
+        self.resumed_text: dict[int, str] = {}  # what pdb printed as a rank went on, for the prompt to show
         self.report: str | None = None
         self._subscribers: list = []
         self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
@@ -120,6 +138,29 @@ class CellHandle(EventSource):
         with self._lock:
             self.displays.append(DisplayEvent(rank, data, metadata))
             self._emit(self.displays[-1])
+
+    def debug_stop(self, rank: int, text: str, where: str) -> None:
+        """Rank ``rank`` stopped in pdb at ``where`` (``text``: what pdb printed), waiting for a command."""
+        with self.debug_changed:
+            self.prompts += 1
+            self.paused[rank] = DebugStop(rank, text, where, self.prompts)
+            self.debug_changed.notify_all()
+        with self._lock:
+            st = self.ranks[rank]
+            st.status, st.where = "paused", where
+            self._emit(RunEvent("paused", rank, st))
+
+    def debug_resumed(self, rank: int, text: str) -> None:
+        """Rank ``rank``'s pdb let its code run on (``text``: what pdb printed last)."""
+        with self.debug_changed:
+            self.paused.pop(rank, None)
+            self.resumed_text[rank] = self.resumed_text.get(rank, "") + text
+            self.debug_changed.notify_all()
+        with self._lock:
+            st = self.ranks[rank]
+            if st.status == "paused":
+                st.status, st.where = "running", None
+                self._emit(RunEvent("running", rank, st))
 
     def _set_rank(self, rank: int, status: str) -> None:
         st = self.ranks[rank]
@@ -177,6 +218,8 @@ class CellHandle(EventSource):
                 self.status = "failed"
                 self.error = WorkerFailedError(self.failures, results, self.cell_dir, note=self.note,
                                                elsewhere=self.incarnation.ranks_elsewhere(), remote_cause=self.stopped_by)
+                if not self.internal:
+                    self.incarnation.last_failed_rank = self.error.rank
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"

@@ -107,7 +107,7 @@ class CellLevel:
         finally:
             shared.close()  # every rank mapped it (or the cell ended without it)
 
-    def _submit(self, write, ranks, timeout, check_collectives=None) -> CellHandle:
+    def _submit(self, write, ranks, timeout, check_collectives=None, stdin: bool = False) -> CellHandle:
         inc = self.incarnation  # one incarnation for the whole call, even if another thread restarts
         targets = inc.prepare(ranks)
         cell_dir = inc.new_cell_dir()
@@ -117,7 +117,7 @@ class CellLevel:
             rundir.discard_run_dir(cell_dir)
             raise
         check = self.check_collectives if check_collectives is None else check_collectives
-        return inc.start_cell(cell_dir, targets, timeout, check_collectives=check)
+        return inc.start_cell(cell_dir, targets, timeout, check_collectives=check, stdin=stdin)
 
     def interrupt(self) -> None:
         """The stop button: interrupt the running cell, if any; the ranks keep their state."""

@@ -94,6 +94,7 @@ class Incarnation:
         self.world = None  # a session across kernels: its link to the others (nbdist.session.peers)
         self.last_reform: dict | None = None  # each rank's timings of the last re-forming
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
+        self.last_failed_rank: int | None = None  # the root cause of the last failed cell (%dist_debug)
         self._cells = 0
         self.ready = threading.Event()
         self.started_at, self.ready_after = time.monotonic(), None
@@ -234,6 +235,9 @@ class Incarnation:
         if message[0] == "display":
             cell.feed_display(rank, message[3], message[4])
             return
+        if message[0] in ("debug", "debug_resumed"):
+            self._on_debug(cell, rank, message)
+            return
         _, _, _, kind, body, offsets = message
         last = cell.record_done(rank, kind, body, offsets, self.pids.get(rank))
         release_if_asked(self, cell, rank)
@@ -244,6 +248,21 @@ class Incarnation:
             # itself): release them as the stop button would.
             threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
                              daemon=True).start()
+
+    def _on_debug(self, cell: CellHandle, rank: int, message) -> None:
+        """A rank's pdb asks for a command, or went on. With nobody at a stdin (``--bg``, nbconvert,
+        a call from code), the rank is told to go on, and the cell's output says so once."""
+        if message[0] == "debug_resumed":
+            cell.debug_resumed(rank, message[3])
+            return
+        if cell.stdin:
+            cell.debug_stop(rank, message[3], message[4])
+            return
+        if not cell.skipped_breakpoint:
+            cell.skipped_breakpoint = True
+            cell.feed(OutputChunk(rank, "stderr", [f"nbdist: rank {rank} reached a breakpoint at {message[4]}; this cell has no stdin to "
+                           f"debug it from (--bg, a headless run, a call from code), so the ranks go on"], ""))
+        self.send([rank], ("debug_reply", cell.cell_id, "continue"))
 
     def _settle(self, cell: CellHandle) -> None:
         self.rank_run.pump_output()  # the cell's output is in the logs before the cell says it is done
@@ -397,16 +416,17 @@ class Incarnation:
         return cell_dir
 
     def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False,
-                   check_collectives: bool = False) -> CellHandle:
+                   check_collectives: bool = False, stdin: bool = False) -> CellHandle:
         """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once.
 
         ``internal``: nbdist's own call while it brings the ranks in step after a user's cell;
-        ``check_collectives``: the ranks compare each collective before they issue it.
+        ``check_collectives``: the ranks compare each collective before they issue it; ``stdin``: a
+        front end answers the ranks' pdb prompts (:mod:`nbdist.frontend.debugger_prompt`).
         """
         with self.lock:
             if self.status != ("busy" if internal else "idle"):
                 raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
-            cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal)
+            cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal, stdin)
             self.status = "busy"
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)

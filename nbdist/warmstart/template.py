@@ -52,6 +52,7 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
 
     import nbdist.worker.bootstrap  # noqa: F401
     import nbdist.worker.cell  # noqa: F401
+    import nbdist.worker.debugger  # noqa: F401  (pdb: every rank sets its breakpoint hook)
 
     failed, refusal = [], None
     for name in preload:

@@ -233,6 +233,9 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity) -> int:
     out, and releasing them with the group still live aborts the process ("terminate called
     without an active exception").
     """
+    from nbdist.worker.debugger import skip_breakpoints
+
+    skip_breakpoints(identity.rank)  # a one-shot rank has no way back to the notebook; a session's sets its own
     created_group = False
     try:
         created_group = init_distributed(spec, identity)

@@ -97,7 +97,16 @@ def _run_one(cell_dir: str, rank: int):
     global _IN_USER_CODE, _STOPPED, _CELL_DIR
     from nbdist.worker.exceptions import describe_exception
 
+    import bdb
+
+    from nbdist.worker import debugger
+    from nbdist.worker.cell import run_cell
+
     fn, args, kwargs, _extra = rundir.read_payload(cell_dir)
+    if fn is run_cell or not getattr(fn, "__module__", "").startswith("nbdist.worker."):
+        # A user's cell or function: %dist_debug shows its failure, not an older one. nbdist's own
+        # calls (bringing the ranks in step, pull, post-mortem itself) keep it.
+        debugger.forget_failure()
     _STOPPED, _CELL_DIR = False, cell_dir
     try:
         try:
@@ -105,11 +114,12 @@ def _run_one(cell_dir: str, rank: int):
             value = fn(*args, **kwargs)
         finally:
             _IN_USER_CODE = False
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, bdb.BdbQuit):  # the stop button; or pdb's quit, which the notebook sends for it
         _IN_USER_CODE = False  # the handler may have run before the finally's first line
         return "interrupted", None
     except BaseException as exc:  # SystemExit too: the rank lives on, the cell failed
         _IN_USER_CODE = False
+        debugger.remember_failure(exc)
         info = describe_exception(exc)
         if _STOPPED and info["secondary"]:
             # Stopped in a collective: the session released it by closing the peers' connections.
@@ -147,7 +157,7 @@ def serve_session(session_dir: str, address) -> None:
         else:  # between cells: the log has it
             print(data.get("text/plain", "<rich output>"))
 
-    from nbdist.worker import display
+    from nbdist.worker import debugger, display
 
     display.install(send_display)  # display() and plt.show() reach the notebook
     threading.Thread(target=_answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
@@ -168,6 +178,7 @@ def serve_session(session_dir: str, address) -> None:
         send(("started", rank, cell_id, start))
         running.enter(cell_id, cell_dir)
         _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
+        debugger.install(*_debug_channel(conn, send, rank, cell_id))
         try:
             kind, body = _run_one(cell_dir, rank)
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -179,7 +190,33 @@ def serve_session(session_dir: str, address) -> None:
             kind, body = "failed", describe_exception(exc)
         running.leave()
         _check_collectives(None)
+        debugger.install(None, None)
         send(("done", rank, cell_id, kind, body, _log_offsets()))
+
+
+def _debug_channel(conn, send, rank: int, cell_id: int):
+    """``(ask, resumed)`` for the cell ``cell_id``'s debugger (:mod:`nbdist.worker.debugger`): ask the
+    kernel for a pdb command and wait for it; say that pdb let the code run on."""
+    def ask(text: str, where: str) -> str:
+        send(("debug", rank, cell_id, text, where))
+        while True:
+            try:
+                conn.poll(None)  # the stop button interrupts this wait (nothing was read yet)
+                with _stop_held():  # and never a read half done
+                    message = conn.recv()
+            except KeyboardInterrupt:
+                return "quit"  # the stop button ends debugging: pdb quits, the cell is interrupted
+            except (EOFError, OSError):
+                return "quit"
+            if message[0] == "release":  # a peer stuck in a collective this rank left (as between cells)
+                release_groups()
+            elif message[0] == "debug_reply" and message[1] == cell_id:
+                return message[2]
+
+    def resumed(text: str) -> None:
+        send(("debug_resumed", rank, cell_id, text))
+
+    return ask, resumed
 
 
 def _check_collectives(cell: str | None) -> None:

@@ -82,7 +82,8 @@ class GrowingView(BufferedView):
         # over for the user: its error says the rest, and it does not grow for the time that takes.
         winding_down = any(st.status in ("failed", "interrupted") for st in self.run.ranks.values())
         slow = not final and not winding_down and time.monotonic() - self._started > GROW_AFTER_S
-        if others_display or too_many or slow:
+        paused = any(st.status == "paused" for st in self.run.ranks.values())  # a debugger: its badge says where
+        if others_display or too_many or slow or paused:
             self._grow()
             if final:
                 self.flush(final=True)

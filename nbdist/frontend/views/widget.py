@@ -19,12 +19,13 @@ __all__ = ["WidgetView", "BADGE_COLOURS", "SYMBOLS"]
 BADGE_COLOURS = {
     "starting": ("#5f6368", "#eceff1"),
     "running": ("#0b57d0", "#e3ecfd"),
+    "paused": ("#6a1b9a", "#f3e5f5"),  # stopped in the debugger, waiting for a command
     "finished": ("#137333", "#e6f4ea"),
     "failed": ("#b3261e", "#fce8e6"),
     "interrupted": ("#8a5a00", "#fef3d6"),
     "killed": ("#8a5a00", "#fef3d6"),
 }
-SYMBOLS = {"starting": "○", "running": "●", "finished": "✓", "failed": "✗", "interrupted": "■", "killed": "■"}
+SYMBOLS = {"starting": "○", "running": "●", "paused": "⏸", "finished": "✓", "failed": "✗", "interrupted": "■", "killed": "■"}
 
 
 class WidgetView(BufferedView):
@@ -89,6 +90,8 @@ class WidgetView(BufferedView):
                  f"padding:0 8px;font-weight:600;font-size:12px'>{st.status}</span>",
                  f"<span>rank {grank}</span>", f"<span>pid {st.pid or '-'}</span>",
                  f"<span>{st.elapsed:.1f} s</span>"]
+        if st.status == "paused" and st.where:
+            parts.append(f"<span>at {html.escape(st.where)}</span>")
         if st.status in TERMINAL:
             code = st.signal_name or (f"exit {st.exitcode}" if st.exitcode is not None else "")
             if code:

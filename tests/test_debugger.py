@@ -1,0 +1,106 @@
+"""pdb in session ranks from the notebook: breakpoint(), %dist_debug, through a real kernel that
+answers stdin as a notebook does (jupyter_client's ``input_request``)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import nbdist_kernel, wait_for
+
+
+@pytest.fixture(scope="module")
+def lab_kernel():
+    with nbdist_kernel("warm") as k:
+        yield k
+
+
+@pytest.fixture
+def kernel(lab_kernel):
+    """The module's kernel with a 2-rank session of this test's own (the leak check runs per test)."""
+    k = lab_kernel
+    assert k.run("%dist_start -n 2").status == "ok"
+    try:
+        assert k.run("%%distributed --view text\nimport os\nrank = int(os.environ['RANK'])").status == "ok"
+        yield k
+    finally:
+        k.run("%dist_stop")
+
+
+def test_a_breakpoint_on_one_rank_takes_pdb_commands_and_the_next_cell_sees_the_change(kernel):
+    res = kernel.run("%%distributed --view text\nx = 10 * rank\nif rank == 1:\n    breakpoint()\n    y = x + 1\n"
+                     "print('after', rank, y if rank == 1 else '')",
+                     answers=["l", "p x", "x = 99", "n", "p y", "c"], timeout=60)
+    assert res.status == "ok", res.error_text
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "] * 6, "the prompt names the rank"
+    out = res.stdout
+    listed = [line for line in out.splitlines() if line.lstrip()[:1].isdigit()]
+    assert any("breakpoint()" in line and line.split()[0] == "4" for line in listed), out
+    assert any("->" in line and "y = x + 1" in line and line.split()[0] == "5" for line in listed), "l: the cell's lines"
+    assert "\n10\n" in out and "\n100\n" in out, out
+    assert "[rank 1] after 1 100" in out and "[rank 0] after 0" in out
+    assert kernel.run("%%distributed --view text --ranks 1\nx").result == "99"
+
+
+def test_breakpoints_on_two_ranks_ranks_rank_n_and_all_c(kernel):
+    badges = []
+
+    def answer(prompt, res):
+        if not res.prompts:  # the first prompt: let the other rank stop too before listing them
+            time.sleep(1.5)
+            badges.extend(v for v in res.widget_values.values() if isinstance(v, str) and "paused" in v)
+            return "ranks"
+        return {1: "rank 1", 2: "p rank * 100", 3: "all c"}[len(res.prompts)]
+
+    res = kernel.run("%%distributed --view widget\nbreakpoint()\nz = rank + 5", answers=answer, timeout=60)
+    assert res.status == "ok", res.error_text
+    assert [a for _, a in res.prompts] == ["ranks", "rank 1", "p rank * 100", "all c"]
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) ", "(Pdb rank 0) ", "(Pdb rank 1) ", "(Pdb rank 1) "]
+    out = res.stdout
+    assert "  rank 0: cell.py:3 in <module>   <- current" in out and "  rank 1: cell.py:3 in <module>" in out, out
+    assert "nbdist: rank 1 stopped at cell.py:3 in <module>" in out and "\n100\n" in out, out
+    assert any("at cell.py:3 in &lt;module&gt;" in b or "at cell.py:3 in <module>" in b for b in badges), badges
+    assert kernel.run("%%distributed --view text\nz").result == "5"
+
+
+def test_dist_debug_opens_pdb_in_the_frame_that_raised(kernel):
+    res = kernel.run("%%distributed --view text\ndef f(v):\n    w = v * 2\n    raise ValueError('bad')\n"
+                     "if rank == 1:\n    f(7)")
+    assert res.status == "error" and "rank 1 failed first" in res.error_text
+    res = kernel.run("%dist_debug", answers=["p v, w", "up", "p rank", "c"], timeout=60)
+    assert res.status == "ok", res.error_text
+    assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "] * 4
+    assert "cell.py(4)f()\n-> raise ValueError('bad')" in res.stdout and "(7, 14)" in res.stdout, res.stdout
+    assert "cell.py(6)<module>()\n-> f(7)" in res.stdout and "\n1\n" in res.stdout
+    res = kernel.run("%dist_debug --rank 0")
+    assert "rank 0 has no failed cell to debug" in res.stdout
+    assert kernel.run("%%distributed --view text\n1 + 1").status == "ok"
+    assert "rank 1 has no failed cell to debug" in kernel.run("%dist_debug").stdout, "a new cell forgets the failure"
+
+
+def test_the_stop_button_ends_debugging_and_keeps_the_state(kernel):
+    def press_stop(prompt, res):
+        kernel.km.interrupt_kernel()
+        time.sleep(5)  # never answered: the stop button ends the prompt
+        return "c"
+
+    msg = kernel.send("%%distributed --view text\nkept = 'yes'\nif rank == 0:\n    breakpoint()\nimport time\n"
+                      "time.sleep(60)")
+    res = kernel.collect(msg, timeout=60, answers=press_stop)
+    assert res.status == "error" and "interrupted: ranks 0-1 idle again, their state kept" in res.error_text, res.error_text
+    assert kernel.run("%%distributed --view text\nkept").result == "'yes'"
+
+
+def test_without_stdin_a_breakpoint_says_so_once_and_the_cell_goes_on(kernel):
+    msg = kernel.kc.execute("%%distributed --view text\nfor i in range(3):\n    breakpoint()\nrank", allow_stdin=False)
+    res = kernel.collect(msg, timeout=60)
+    assert res.status == "ok" and res.result == "0", res.error_text
+    said = res.stdout + res.stderr
+    assert said.count("reached a breakpoint at cell.py:2 in <module>; this cell has no stdin") == 1, said
+
+
+def test_a_one_shot_cell_says_the_debugger_needs_a_session(kernel):
+    res = kernel.run("%%distributed --fresh -n 2 --view text\nbreakpoint()\nprint('went on')")
+    assert res.status == "ok", res.error_text
+    said = res.stdout + res.stderr
+    assert "breakpoint() at cell.py:2 skipped: the debugger needs a session's ranks" in said and "went on" in said
