@@ -292,3 +292,54 @@ write("05_sessions.ipynb", [
     code("%dist_stop"),
     code("%dist_ps"),
 ])
+
+write("06_debugging.ipynb", [
+    md("# Debugging the ranks: which collective each rank is in, checked collectives, and pdb\n\n"
+       "A session's ranks keep a flight recorder of their collectives, can check that they all call the same "
+       "one, and stop in pdb with the prompt in the notebook. This notebook runs headless in CI: the recorder "
+       "and the checks execute; the debugger's cells show their commands (a headless run has no stdin, so a "
+       "breakpoint there says so in one line and the cell goes on)."),
+    code("%load_ext nbdist"),
+    code("%dist_start -n 2"),
+    code("%%distributed\nimport time, torch, torch.distributed as dist\nrank = dist.get_rank()\n"
+         "dist.all_reduce(torch.ones(4))\ndist.broadcast(torch.zeros(2, 3), src=0)"),
+    md("## The flight recorder\n\nEach rank keeps its last 64 collectives per group: op, sequence number, shapes and "
+       "dtypes, root, start, end and state."),
+    code("%%distributed\nfrom nbdist.worker.flight_recorder import recent_collectives, describe_collective\n"
+         "for c in recent_collectives():\n    print(describe_collective(c), '->', c.state)"),
+    md("A hang: rank 0 all-reduces while rank 1 broadcasts. The stop button (here `--timeout`, which a headless "
+       "run can press) frees both, re-forms the group in place, and the message says where each rank waited."),
+    raises("%%distributed --timeout 3\nif rank == 0:\n    dist.all_reduce(torch.ones(3))\n"
+           "else:\n    dist.broadcast(torch.ones(3), src=1)\n    time.sleep(60)"),
+    md("The ranks are idle again, in step, their state kept:"),
+    code("%%distributed\nx = torch.ones(2)\ndist.all_reduce(x)\nx.tolist()"),
+    md("`%dist_stacks` shows each rank's open collective beside its stack; here a cell runs in the background "
+       "(`--bg`) while rank 0 waits in a barrier that rank 1 never joins."),
+    code("%%distributed --bg\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)"),
+    code("import time\ntime.sleep(1.5)\n%dist_stacks"),
+    code("_dist.interrupt()"),
+    md("## Checked collectives\n\n`--check-collectives` (or `%dist_start --check-collectives` for every cell) makes the "
+       "ranks compare each collective before they issue it: a mismatch is an error at once, naming each rank's "
+       "call, and no rank issued it."),
+    raises("%%distributed --check-collectives\ndist.all_reduce(torch.ones(4 + rank))"),
+    code("%%distributed --check-collectives\ny = torch.ones(4)\ndist.all_reduce(y)\ny.tolist()"),
+    md("## pdb in a rank\n\nIn a notebook (JupyterLab, Notebook 7, VS Code), `breakpoint()` in a session cell opens "
+       "pdb's prompt in the stdin box, named after the rank: `(Pdb rank 1)`. pdb's commands act on that rank; "
+       "besides them:\n\n"
+       "- `ranks`: the ranks stopped in the debugger, and where;\n"
+       "- `rank N`: talk to rank N;\n"
+       "- `all c`: every stopped rank goes on (`all` sends any command to each);\n"
+       "- `q`, or the stop button: debugging ends and the cell is interrupted, the ranks' state kept.\n\n"
+       "A session of this run for example:\n\n"
+       "```\n(Pdb rank 1) p x\n10\n(Pdb rank 1) x = 42\n(Pdb rank 1) c\n```\n\n"
+       "This run is headless (no stdin): the breakpoint says so once, and the cell goes on."),
+    code("%%distributed\nx = 10 * rank\nif rank == 1:\n    breakpoint()\nprint('went on', rank, x)"),
+    md("`%dist_debug` opens pdb in the frame where the last failed cell raised, on the rank that failed first "
+       "(`--rank R` for another). A rank keeps its last failure until its next cell. With a stdin:\n\n"
+       "```\n%dist_debug\n> .../cell.py(4)scale()\n-> raise ValueError(f'bad factor {factor}')\n"
+       "(Pdb rank 1) p factor\n-1\n(Pdb rank 1) up\n(Pdb rank 1) c\n```"),
+    raises("%%distributed\ndef scale(t, factor):\n    if factor < 0:\n        raise ValueError(f'bad factor {factor}')\n"
+           "    return t * factor\nscale(torch.ones(2), 1 - 2 * rank)"),
+    code("%dist_debug"),
+    code("%dist_stop"),
+])

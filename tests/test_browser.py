@@ -228,3 +228,38 @@ def test_quick_session_cells_read_as_plain_cells_and_a_long_one_grows_into_tabs(
     text = summary()[0]
     assert "epoch 2 on rank 1" in text and "logs:" in text, text
     wait_for(lambda: not marked_pids(), 10, what="nothing left after %dist_stop")
+
+
+def test_pdb_commands_typed_into_the_stdin_box_reach_the_rank(notebook):
+    """breakpoint() in a session cell: JupyterLab's stdin box shows the rank's prompt; what the user
+    types there goes to that rank's pdb, and the cell goes on after ``c``."""
+    nb = notebook(
+        "debugger",
+        "%dist_start -n 2",
+        "%%distributed\nimport os\nrank = int(os.environ['RANK'])\nx = 10 * rank\nif rank == 1:\n    breakpoint()\n"
+        "print('went on', rank, x)",
+        "%dist_stop",
+    )
+    nb.run(1)
+    nb.wait_done(1)
+    nb.run(2)
+    out = nb.output(2)
+    def type_into_box(command):
+        box = out.locator(".jp-Stdin-input").last  # answered boxes stay as text above it
+        box.wait_for(timeout=60_000)
+        wait_for(lambda: "(Pdb rank 1)" in out.locator(".jp-Stdin").last.inner_text(), 30, interval=0.2,
+                 what="the rank's prompt in the stdin box")
+        box.fill(command)
+        nb.shot(f"typed-{command.replace(' ', '-').replace('=', 'eq')}")
+        box.press("Enter")
+
+    type_into_box("p x")
+    out.get_by_text("10", exact=True).first.wait_for(timeout=30_000)
+    type_into_box("x = 42")
+    type_into_box("c")
+    nb.wait_done(2, timeout=60)
+    out.get_by_text("went on 1 42").first.wait_for(timeout=30_000)
+    nb.shot("went-on")
+    nb.run(3)
+    nb.wait_done(3, timeout=30)
+    wait_for(lambda: not marked_pids(), 10, what="nothing left after %dist_stop")

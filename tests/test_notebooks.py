@@ -61,7 +61,8 @@ def test_quickstart_notebook(tmp_path):
     assert "no nbdist ranks are running" in ps_text and "warm template pid" in ps_text, ps_text
 
 
-@pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode", "05_sessions"])
+@pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode", "05_sessions",
+                                  "06_debugging"])
 def test_doc_notebooks_run(name, tmp_path):
     nb = execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                           timeout=300, cwd=str(tmp_path))
@@ -84,6 +85,16 @@ def test_doc_notebooks_run(name, tmp_path):
         assert "===== rank 0" in text and "===== rank 1" in text, "%dist_stacks shows every rank"
         assert "__0_0.distcp" in text and "__1_0.distcp" in text, "FSDP2's sharded checkpoint, one file per rank"
         assert "stopped (2 ranks)" in text and "no nbdist ranks are running" in text
+    elif name == "06_debugging":
+        assert "all_reduce #1 float32[4] on the default group -> done" in text, "the recorder"
+        assert "rank 0: all_reduce #3 float32[3] on the default group, waiting" in text, text
+        assert "rank 1: broadcast #3 float32[3] from rank 1 on the default group, waiting" in text
+        assert "the ranks called different collectives" in text and "[2.0, 2.0]" in text
+        assert "collective: barrier #" in text and "collective: none open" in text, "%dist_stacks"
+        assert "rank 0: all_reduce float32[4]; rank 1: all_reduce float32[5]" in text and "[2.0, 2.0, 2.0, 2.0]" in text
+        assert "this cell has no stdin" in text and "went on 1 10" in text, "headless: the breakpoint goes on"
+        assert "ValueError: bad factor -1" in text and "%dist_debug needs a stdin" in text
+        assert "stopped (2 ranks)" in text
     else:
         assert "world of 4" in text and "world of 2" in text
         assert "{0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}" in text, "launcher='mpirun'"

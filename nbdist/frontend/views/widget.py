@@ -25,7 +25,7 @@ BADGE_COLOURS = {
     "interrupted": ("#8a5a00", "#fef3d6"),
     "killed": ("#8a5a00", "#fef3d6"),
 }
-SYMBOLS = {"starting": "○", "running": "●", "paused": "⏸", "finished": "✓", "failed": "✗", "interrupted": "■", "killed": "■"}
+SYMBOLS = {"starting": "○", "running": "●", "paused": "‖", "finished": "✓", "failed": "✗", "interrupted": "■", "killed": "■"}
 
 
 class WidgetView(BufferedView):
