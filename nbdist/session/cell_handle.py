@@ -139,6 +139,23 @@ class CellHandle(EventSource):
             self.displays.append(DisplayEvent(rank, data, metadata))
             self._emit(self.displays[-1])
 
+    def on_debug_message(self, rank: int, message) -> None:
+        """A rank's pdb asks for a command (``("debug", rank, cell, text, where)``), or went on. With
+        nobody at a stdin (``--bg``, nbconvert, a call from code), the rank is told to go on, and the
+        cell's output says so once."""
+        if message[0] == "debug_resumed":
+            self.debug_resumed(rank, message[3])
+            return
+        if self.stdin:
+            self.debug_stop(rank, message[3], message[4])
+            return
+        if not self.skipped_breakpoint:
+            self.skipped_breakpoint = True
+            self.feed(OutputChunk(rank, "stderr", [f"nbdist: rank {rank} reached a breakpoint at {message[4]}; this "
+                                                   f"cell has no stdin to debug it from (--bg, a headless run, a call "
+                                                   f"from code), so the ranks go on"], ""))
+        self.incarnation.send([rank], ("debug_reply", self.cell_id, "continue"))
+
     def debug_stop(self, rank: int, text: str, where: str) -> None:
         """Rank ``rank`` stopped in pdb at ``where`` (``text``: what pdb printed), waiting for a command."""
         with self.debug_changed:

@@ -236,7 +236,7 @@ class Incarnation:
             cell.feed_display(rank, message[3], message[4])
             return
         if message[0] in ("debug", "debug_resumed"):
-            self._on_debug(cell, rank, message)
+            cell.on_debug_message(rank, message)
             return
         _, _, _, kind, body, offsets = message
         last = cell.record_done(rank, kind, body, offsets, self.pids.get(rank))
@@ -248,21 +248,6 @@ class Incarnation:
             # itself): release them as the stop button would.
             threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
                              daemon=True).start()
-
-    def _on_debug(self, cell: CellHandle, rank: int, message) -> None:
-        """A rank's pdb asks for a command, or went on. With nobody at a stdin (``--bg``, nbconvert,
-        a call from code), the rank is told to go on, and the cell's output says so once."""
-        if message[0] == "debug_resumed":
-            cell.debug_resumed(rank, message[3])
-            return
-        if cell.stdin:
-            cell.debug_stop(rank, message[3], message[4])
-            return
-        if not cell.skipped_breakpoint:
-            cell.skipped_breakpoint = True
-            cell.feed(OutputChunk(rank, "stderr", [f"nbdist: rank {rank} reached a breakpoint at {message[4]}; this cell has no stdin to "
-                           f"debug it from (--bg, a headless run, a call from code), so the ranks go on"], ""))
-        self.send([rank], ("debug_reply", cell.cell_id, "continue"))
 
     def _settle(self, cell: CellHandle) -> None:
         self.rank_run.pump_output()  # the cell's output is in the logs before the cell says it is done
