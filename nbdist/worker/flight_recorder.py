@@ -38,7 +38,7 @@ _API_NAMES = {"allreduce": "all_reduce", "allgather": "all_gather", "_allgather_
 _POINT_TO_POINT = ("send", "recv", "recv_anysource")
 # Ops whose tensors may legitimately differ across ranks (a root's list, uneven splits): only the
 # op, the dtype and the root take part in their fingerprint.
-_UNEVEN = ("gather", "scatter", "alltoall", "alltoall_base", "all_to_all_single")
+_UNEVEN = ("gather", "scatter", "all_to_all", "all_to_all_single")  # by their API names
 
 
 @dataclass
@@ -90,8 +90,10 @@ def _tensors_of(args) -> list:
 
 
 def _root_of(op: str, args) -> int | None:
-    if op in _POINT_TO_POINT:
+    if op in ("send", "recv"):
         return next((a for a in args if isinstance(a, int)), None)  # (tensors, peer, tag)
+    if op == "recv_anysource":
+        return None  # (tensors, tag): any peer
     opts = args[-1] if args else None
     return getattr(opts, "rootRank", None)
 

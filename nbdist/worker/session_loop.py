@@ -172,6 +172,8 @@ def serve_session(session_dir: str, address) -> None:
         if message[0] == "release":  # a peer is stuck in a collective this rank left: free it
             release_groups()
             continue
+        if message[0] == "debug_reply":  # a late answer to a pdb prompt of a cell that ended (the stop won)
+            continue
         _, cell_id, cell_dir, cell_options = message
         _let_go_of_values()  # the kernel mapped the last cell's values before it sent this one
         start = _log_offsets()
@@ -210,6 +212,8 @@ def _debug_channel(conn, send, rank: int, cell_id: int):
                 return "quit"
             if message[0] == "release":  # a peer stuck in a collective this rank left (as between cells)
                 release_groups()
+            elif message[0] == "close":  # the session closes: pdb quits; the channel's end follows
+                return "quit"
             elif message[0] == "debug_reply" and message[1] == cell_id:
                 return message[2]
 
