@@ -26,16 +26,24 @@ SUMMARY_LINES = 5  # per rank, in the summary a grown view leaves for frontends 
 
 
 def fold_lines(lines_by_rank: dict) -> list[tuple[str, str]]:
-    """``[(stream, "[0-3] text")]``: the i-th line of each rank, identical ones said once for all."""
-    ranks = sorted(r for r, lines in lines_by_rank.items() if lines)
+    """``[(stream, "[0-3] text")]``: the i-th line of each rank's stream, identical ones said once for all.
+
+    Stream by stream (stdout's lines, then stderr's): a rank's two streams reach the kernel through
+    two log files, so how one rank's stdout and stderr lines interleave says nothing; folding them
+    together would split "[0-2] warned" by the timing of the reads.
+    """
+    streams = list(dict.fromkeys(stream for lines in lines_by_rank.values() for stream, _ in lines))
     out = []
-    for i in range(max((len(lines_by_rank[r]) for r in ranks), default=0)):
-        groups: dict[tuple[str, str], list[int]] = {}
-        for r in ranks:
-            if i < len(lines_by_rank[r]):
-                groups.setdefault(tuple(lines_by_rank[r][i]), []).append(r)
-        for (stream, line), who in groups.items():
-            out.append((stream, f"[{format_rank_set(who).split(' ', 1)[1]}] {line}"))
+    for stream in streams:
+        texts = {r: [line for s, line in lines if s == stream] for r, lines in lines_by_rank.items()}
+        ranks = sorted(r for r, lines in texts.items() if lines)
+        for i in range(max((len(texts[r]) for r in ranks), default=0)):
+            groups: dict[str, list[int]] = {}
+            for r in ranks:
+                if i < len(texts[r]):
+                    groups.setdefault(texts[r][i], []).append(r)
+            for line, who in groups.items():
+                out.append((stream, f"[{format_rank_set(who).split(' ', 1)[1]}] {line}"))
     return out
 
 
