@@ -80,8 +80,7 @@ def _send(cell, ranks, command: str) -> None:
     """Pass ``command`` to ``ranks``, then wait (a little) for each to ask again or to go on."""
     with cell.debug_changed:
         stops = {r: cell.paused.pop(r) for r in ranks if r in cell.paused}
-    for rank in stops:
-        cell.incarnation.send([rank], ("debug_reply", cell.cell_id, command))
+    cell.incarnation.send(list(stops), ("debug_reply", cell.cell_id, command))
     with cell.debug_changed:
         cell.debug_changed.wait_for(lambda: cell.done or all(r in cell.paused or r in cell.resumed_text for r in stops),
                                     timeout=_AFTER_COMMAND_S)

@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["KEEP", "Collective", "CollectiveMismatchError", "record", "check_collective", "checking",
+__all__ = ["KEEP", "Collective", "CollectiveMismatchError", "record", "watch_work", "abandon", "check_collective", "checking",
            "open_collectives", "recent_collectives", "write_open_collectives", "describe_collective"]
 
 KEEP = 64  # collectives kept per group
