@@ -57,7 +57,24 @@ def test_a_stopped_hang_says_which_collective_each_rank_is_in(session):
     assert "rank 0: all_reduce #1 float32[3] on the default group, waiting" in text, text
     assert "rank 1: broadcast #1 float32[3] from rank 1 on the default group, waiting" in text, text
     assert "the ranks called different collectives" in text, text
+    assert "torch's NCCL flight recorder" not in text, "gloo: torch's recorder has nothing to add"
     assert _sum_all_reduce(session) == {0: 8.0, 1: 8.0}, "idle, in step, usable"
+
+
+def test_torch_s_own_flight_recorder_is_read_and_described(session):
+    """torch records every collective in C++ too (its Flight Recorder, on by default). The reader
+    takes NCCL's entries only (gloo's stay "scheduled" whatever happens), so on gloo it is asked
+    for gloo's here: the real dump, parsed and described as the NCCL ones are (tests/test_gpu.py
+    reads NCCL's on a GPU)."""
+    said = session.execute(
+        "from nbdist.worker import torch_flight_recorder as tfr\n"
+        "dist.all_reduce(torch.ones(5, 2))\n"
+        "entries = tfr.read_nccl_entries(only_active=False, backend='gloo')\n"
+        "(tfr.nccl_in_use(), tfr.read_nccl_entries(), tfr.describe_torch_entry(entries[-1]))")
+    for rank in (0, 1):
+        in_use, nccl, text = said[rank]
+        assert not in_use and nccl == [], said
+        assert text.startswith("gloo:all_reduce #") and " float32[5, 2] on pg " in text, text
 
 
 def test_check_collectives_turns_a_mismatch_into_an_error_that_names_each_call(session):
@@ -113,3 +130,20 @@ def test_the_magics_check_and_show_collectives():
         assert res.status == "error" and "where each rank waited: rank 0: barrier #1 on the default group, waiting" in said, said
         assert k.run("%%distributed --view text\nx = torch.ones(2)\ndist.all_reduce(x)\nfloat(x.sum())").result == "4.0"
         assert k.run("%dist_stop").status == "ok"
+
+
+def test_the_words_for_nccl_ranks_add_what_torch_s_recorder_says_of_the_gpu():
+    """NCCL's Python call returns once the collective is queued, so a rank's own recorder may have
+    nothing open while the GPU still waits: torch's recorder says so (its entries come from a
+    real NCCL dump in tests/test_gpu.py; here the kernel's words for them)."""
+    from nbdist.session.collectives import describe_open_collectives
+
+    gpu = "nccl:all_reduce #2 float32[1024] on pg 0 (default_pg), scheduled on the GPU 1.0 s ago"
+    ours = "all_reduce #2 float32[1024] on the default group, waiting 1.0 s"
+    text = describe_open_collectives({
+        0: {"open": [ours], "fingerprints": ["a"], "torch": [gpu]},
+        1: {"open": [], "fingerprints": [], "torch": [gpu]},
+        2: {"open": [], "fingerprints": [], "torch": []}})
+    assert text == (f"rank 0: {ours} (on the GPU, per torch's NCCL flight recorder: {gpu}); "
+                    f"rank 1: on the GPU, {gpu} (torch's NCCL flight recorder); "
+                    "rank 2: in no collective: rank 2 never joined"), text

@@ -120,6 +120,46 @@ with nbdist.Session(nprocs=1, backend="nccl") as s:
     assert "REFORMED {0: (3.0, True)}" in out and "CUT {0: 5.0}" in out and "STATUS idle" in out, out
 
 
+def test_torch_s_nccl_flight_recorder_says_what_the_gpu_waits_in(run_script):
+    """An NCCL all_reduce queued behind a long GPU kernel: Python's call has returned (torch gives
+    no work for a synchronous NCCL collective), so only the GPU still has it. The rank's report
+    (``Session.collectives()``, %dist_stacks, the stop message) carries torch's own Flight
+    Recorder's words for it: scheduled on the GPU. (One GPU: NCCL takes a GPU per rank, so no hang
+    between two NCCL ranks here.)"""
+    out = _result(_kernel(run_script, """
+with nbdist.Session(nprocs=1, backend="nccl") as s:
+    s.wait_ready(120)
+    s.execute("import torch, torch.distributed as dist\\nt = torch.ones(1024, device='cuda')\\n"
+              "dist.all_reduce(t)\\ntorch.cuda.synchronize()")
+    cell = s.execute("torch.cuda._sleep(4_000_000_000)\\ndist.all_reduce(t)\\ntorch.cuda.synchronize()", join=False)
+    time.sleep(0.5)
+    report = s.collectives()[0]
+    print("OURS", report["open"], report["last"][-1:])
+    print("TORCH", report["torch"])
+    from nbdist.session.collectives import describe_open_collectives
+    print("SAID", describe_open_collectives({0: report}))
+    cell.wait(60)
+    cell = s.execute("torch.cuda._sleep(4_000_000_000)\\ndist.all_reduce(t)\\ntorch.cuda.synchronize()", join=False)
+    time.sleep(0.5)
+    cell.interrupt()
+    try:
+        cell.wait(60)
+    except nbdist.RunStoppedError as e:
+        print("STOPPED", str(e).replace(chr(10), " "))
+    print("AFTER", s.execute("u = torch.ones(2, device='cuda')\\ndist.all_reduce(u)\\nu.sum().item()"))
+"""))
+    print(out)  # the words, for the check's log
+    stopped = next(line for line in out.splitlines() if line.startswith("STOPPED"))
+    assert "where each rank waited: rank 0: on the GPU, nccl:all_reduce #" in stopped, out
+    torch_line = next(line for line in out.splitlines() if line.startswith("TORCH"))
+    assert "nccl:all_reduce #" in torch_line and " float32[1024] on pg " in torch_line, out
+    assert "scheduled on the GPU" in torch_line or "running on the GPU" in torch_line, out
+    said = next(line for line in out.splitlines() if line.startswith("SAID"))
+    assert said.startswith("SAID rank 0: on the GPU, nccl:all_reduce #") and "(torch's NCCL flight recorder)" in said, out
+    assert "OURS [] ['all_reduce #2 float32[1024] on the default group (issued)']" in out, out  # no work: issued
+    assert "AFTER {0: 2.0}" in out, out
+
+
 def test_warm_ranks_start_and_use_cuda_while_the_kernel_holds_a_context(run_script):
     out = _result(_kernel(run_script, """
 nbdist.warm(wait=True)

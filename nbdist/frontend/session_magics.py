@@ -118,6 +118,8 @@ def show_stacks() -> None:
         if report is not None:  # beside the stack: the collective it waits in, from its flight recorder
             print(f"  collective: {report['open'][0] if report['open'] else 'none open'}"
                   + (f" (last: {report['last'][-1]})" if report["last"] and not report["open"] else ""))
+            for entry in report.get("torch", []):  # what the GPU does, where NCCL is in use
+                print(f"  torch's NCCL flight recorder: {entry}")
         if dump is not None:
             print(dump.main)
 

@@ -24,9 +24,9 @@ _POLL_S = 0.01
 
 def ask_open_collectives(inc, cell, ranks=None, timeout: float = 0.5) -> dict[int, dict]:
     """``{rank: report}`` of the local ``ranks`` (default: the cell's busy ones) that answered within
-    ``timeout`` (a report has ``open``: what the rank waits in, oldest first, and ``last``: its last
-    collectives). A rank that ends its part of the cell meanwhile is not waited for: it has no cell
-    to answer about."""
+    ``timeout``. A report has ``open``: what the rank waits in, oldest first; ``last``: its last
+    collectives; ``torch``: what torch's Flight Recorder says of its open NCCL collectives. A rank
+    that ends its part of the cell meanwhile is not waited for: it has no cell to answer about."""
     ranks = cell.busy_ranks() if ranks is None else ranks
     cell_dir = cell.cell_dir
     if COLLECTIVES_SIGNAL is None:
@@ -64,12 +64,18 @@ def describe_open_collectives(reports: dict[int, dict]) -> str:
         return ""
     parts = []
     for rank, report in sorted(reports.items()):
-        parts.append(f"rank {rank}: {report['open'][0] if report['open'] else 'in no collective'}")
+        on_gpu = report.get("torch")  # NCCL: where the GPU is with it, from torch's own recorder
+        if report["open"]:
+            part = report["open"][0] + (f" (on the GPU, per torch's NCCL flight recorder: {on_gpu[0]})"
+                                        if on_gpu else "")
+        else:  # NCCL's Python call returns once queued: only the GPU still has it
+            part = f"on the GPU, {on_gpu[0]} (torch's NCCL flight recorder)" if on_gpu else "in no collective"
+        parts.append(f"rank {rank}: {part}")
     waiting = {rank: r["fingerprints"][0] for rank, r in reports.items() if r["open"]}
     text = "; ".join(parts)
     if len(set(waiting.values())) > 1:
         return text + ": the ranks called different collectives"
-    if waiting and len(waiting) < len(reports):
-        idle = sorted(set(reports) - set(waiting))
+    idle = sorted(r for r, report in reports.items() if not report["open"] and not report.get("torch"))
+    if waiting and idle:
         return text + f": {'rank' if len(idle) == 1 else 'ranks'} {', '.join(map(str, idle))} never joined"
     return text

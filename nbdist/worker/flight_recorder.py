@@ -14,8 +14,9 @@ The check (``--check-collectives``) does before each collective what torch's
 peers' before it issues anything. A mismatch raises :class:`CollectiveMismatchError` on every rank
 at once, naming each rank's call, and no rank issued the collective: the groups stay in step.
 
-NCCL has a recorder of its own (``TORCH_NCCL_TRACE_BUFFER_SIZE``); this one sees every backend at
-the Python level, which is where the group's forwarding is.
+NCCL has a recorder of its own (torch's Flight Recorder): this one sees every backend at the Python
+level, where the group's forwarding is, and the report adds what torch's says of the NCCL
+collectives still open on the GPU (:mod:`nbdist.worker.torch_flight_recorder`).
 """
 
 from __future__ import annotations
@@ -111,7 +112,14 @@ def record(group: str, seq: int, op: str, args) -> Collective:
 
 
 def watch_work(entry: Collective, work) -> None:
-    """Mark ``entry`` done (or failed) when its work completes, without waiting for it here."""
+    """Mark ``entry`` done (or failed) when its work completes, without waiting for it here.
+
+    NCCL gives no work for a synchronous collective (torch 2.7+): the call returns once the
+    collective is queued on the GPU, and the entry stays "issued". Only torch's own recorder then
+    knows when the GPU is done with it (:func:`write_open_collectives` reads it)."""
+    if work is None:
+        entry.state = "issued"
+        return
     def ended(future) -> None:
         entry.ended = time.time()
         try:
@@ -198,10 +206,40 @@ def write_open_collectives(path: str, rank: int) -> None:
     from nbdist.protocol.rundir import write_private
 
     now = time.time()
+    on_gpu = _torch_open_entries()
     waiting = open_collectives()
+    if on_gpu is not None:  # NCCL: an "issued" call has returned; what the GPU still has, torch says
+        waiting = [c for c in waiting if c.state == "waiting"]
     last = recent_collectives()[-3:]
+    fingerprints = [json.dumps(c.fingerprint()) for c in waiting]
+    if not waiting and on_gpu:  # only the GPU waits: compare the ranks by torch's entries
+        fingerprints = [json.dumps(_torch_fingerprint(e)) for e in on_gpu]
     report = {"rank": rank, "pid": os.getpid(), "at": now,
               "open": [describe_collective(c, now=now) for c in waiting],
               "last": [describe_collective(c) + f" ({c.state})" for c in last],
-              "fingerprints": [json.dumps(c.fingerprint()) for c in waiting]}
+              "fingerprints": fingerprints,
+              "torch": _describe_torch_entries(on_gpu or [])}
     write_private(path, json.dumps(report).encode())
+
+
+def _torch_open_entries() -> list[dict] | None:
+    """torch's Flight Recorder entries of the NCCL collectives not completed yet; None where it has
+    nothing to say (no NCCL group, or its recorder switched off)."""
+    from nbdist.worker import torch_flight_recorder as torch_fr
+
+    try:
+        return torch_fr.read_nccl_entries() if torch_fr.nccl_in_use() and torch_fr.recorder_on() else None
+    except Exception:  # the report must come whatever torch's dump does
+        return None
+
+
+def _torch_fingerprint(entry: dict) -> tuple:
+    return (entry.get("pg_id"), entry.get("collective_seq_id"), entry.get("profiling_name"),
+            entry.get("input_sizes"), entry.get("input_dtypes"))
+
+
+def _describe_torch_entries(entries: list[dict]) -> list[str]:
+    from nbdist.worker import torch_flight_recorder as torch_fr
+
+    now_ns = time.time_ns()
+    return [torch_fr.describe_torch_entry(e, now_ns) for e in entries[:3]]
