@@ -209,3 +209,41 @@ def test_dist_kill_in_one_kernel_leaves_another_kernels_session_alone(kernel):
         assert len(marked_pids(theirs)) >= 2, "the other notebook's session is alone"
         assert other.run("%%distributed --view text\nkept").result == "41"
         other.run("%dist_stop")
+
+
+def test_notebook_sources_go_to_a_session_s_ranks_once_and_their_tracebacks_keep_them(kernel):
+    """A rank's traceback shows the lines of notebook functions it runs; the sources travel with
+    the first cell that every rank got, not again with each later cell (a long notebook would
+    send all of itself each time)."""
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    kernel.run("def scale(v):\n    if v > 10:\n        raise ValueError('too big: %d' % v)\n    return v * 2\n")
+    held = ("from nbdist.frontend.session_magics import live_session\n"
+            "scale.__code__.co_filename in live_session().incarnation.sources_held")
+    assert kernel.run(held).result == "False"
+    res = kernel.run("%%distributed --view text\nscale(2)")
+    assert res.status == "ok" and res.result == "4", res.error_text
+    assert kernel.run(held).result == "True", "every rank holds it now: later cells leave it out"
+    kernel.run("%%distributed --view text\nscale(3)")
+    res = kernel.run("%%distributed --view text\nscale(11)")
+    assert res.status == "error" and "raise ValueError('too big: %d' % v)" in res.error_text, res.error_text
+    kernel.run("%dist_restart")  # new ranks hold nothing: the sources travel again
+    assert kernel.run(held).result == "False"
+    res = kernel.run("%%distributed --view text\nscale(12)")
+    assert "raise ValueError('too big: %d' % v)" in res.error_text, res.error_text
+
+
+def test_a_payload_leaves_out_the_sources_the_ranks_hold(tmp_path):
+    import linecache
+    import pickle
+
+    from nbdist.protocol import rundir
+
+    cell = "/nonexistent/ipykernel_1/cell_a.py"  # a notebook cell: in linecache only
+    linecache.cache[cell] = (10, None, ["x = 1\n"], cell)
+    try:
+        sent = rundir.write_payload(str(tmp_path), print)
+        assert cell in sent and pickle.load(open(tmp_path / "payload.pkl", "rb"))["sources"][cell] == ["x = 1\n"]
+        again = rundir.write_payload(str(tmp_path), print, sources_held=sent)
+        assert cell not in again and cell not in pickle.load(open(tmp_path / "payload.pkl", "rb"))["sources"]
+    finally:
+        linecache.cache.pop(cell, None)

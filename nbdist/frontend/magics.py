@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
+import functools
 import html
 import os
 import re
@@ -62,13 +64,20 @@ def _stop_and_raise(run, view):
     raise run.error from None
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_cell_line(line: str):
+    """``%%distributed``'s options: a notebook repeats a few lines many times, and argparse costs
+    a tenth of a millisecond a cell (a line it refuses raises, and is not kept)."""
+    return parse_argstring(DistributedMagics.distributed, line)
+
+
 def _launch_cell(shell, line: str, cell: str):
     """Prepare and start the cell; return ``(job, run, view)``, or ``(job, None, value)`` when the
     kernel is itself a rank and ran the cell in place. A live session takes the cell (unless
     ``--fresh``): ``run`` is then the cell's handle."""
     from nbdist.frontend.session_magics import launch_session_cell, live_session
 
-    args = parse_argstring(DistributedMagics.distributed, line)
+    args = copy.copy(_parse_cell_line(line))  # each cell's own copy: a job keeps and may change it
     session = live_session()
     if session is not None and not args.fresh:
         job, run = launch_session_cell(shell, session, args, line, cell)

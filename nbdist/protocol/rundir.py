@@ -187,8 +187,12 @@ def read_spec(run_dir: str) -> RunSpec:
         return RunSpec(**json.load(fh))
 
 
-def _collect_notebook_sources(limit_bytes: int = 4_000_000) -> dict[str, list[str]]:
-    """Source lines of code that lives only in this process's linecache (notebook cells).
+_ON_DISK: set[str] = set()  # linecache's files found on disk: the ranks read those themselves
+
+
+def _collect_notebook_sources(skip=frozenset(), limit_bytes: int = 4_000_000) -> dict[str, list[str]]:
+    """Source lines of code that lives only in this process's linecache (notebook cells), but for
+    the files in ``skip`` (a session's ranks already hold them).
 
     Ranks load functions by value; without these lines their tracebacks would show line numbers
     with no source. Files that exist on disk are read there, so only virtual files travel.
@@ -197,7 +201,10 @@ def _collect_notebook_sources(limit_bytes: int = 4_000_000) -> dict[str, list[st
 
     out, size = {}, 0
     for filename, entry in list(linecache.cache.items()):
-        if len(entry) < 3 or os.path.exists(filename):
+        if len(entry) < 3 or filename in skip or filename in _ON_DISK:
+            continue
+        if os.path.exists(filename):
+            _ON_DISK.add(filename)
             continue
         lines = entry[2]
         n = sum(len(line) for line in lines)
@@ -207,8 +214,12 @@ def _collect_notebook_sources(limit_bytes: int = 4_000_000) -> dict[str, list[st
     return out
 
 
-def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None) -> None:
-    """cloudpickle ``fn`` with its arguments into ``payload.pkl``; errors name the bad argument."""
+def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None, sources_held=frozenset()) -> set[str]:
+    """cloudpickle ``fn`` with its arguments into ``payload.pkl``; errors name the bad argument.
+
+    The notebook's cell sources go along, but for ``sources_held`` (the files a session's ranks
+    got with an earlier cell: a notebook of many cells would send them all again each time).
+    Returns the files it sent."""
     import pickle
 
     from nbdist.protocol.pickling import dump_pickle_checked
@@ -220,8 +231,9 @@ def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None) -> None:
     parts["args"] = [dump_pickle_checked(a, f"positional argument {i}") for i, a in enumerate(args)]
     parts["kwargs"] = {k: dump_pickle_checked(v, f"argument {k!r}") for k, v in kwargs.items()}
     parts["extra"] = {k: dump_pickle_checked(v, f"{k!r}") for k, v in (extra or {}).items()}
-    parts["sources"] = _collect_notebook_sources()
+    parts["sources"] = _collect_notebook_sources(sources_held)
     write_private(os.path.join(run_dir, "payload.pkl"), pickle.dumps(parts))
+    return set(parts["sources"])
 
 
 def read_payload(run_dir: str):

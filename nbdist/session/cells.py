@@ -29,7 +29,8 @@ class CellLevel:
         raised; the ranks are then idle again with their state kept. ``join=False`` returns the
         :class:`~nbdist.session.cell_handle.CellHandle`. ``timeout`` interrupts the cell when it expires.
         """
-        cell = self._submit(lambda cell_dir: rundir.write_payload(cell_dir, fn, args, kwargs), ranks, timeout)
+        cell = self._submit(lambda cell_dir, held: rundir.write_payload(cell_dir, fn, args, kwargs, sources_held=held),
+                            ranks, timeout)
         return cell if not join else cell.wait()
 
     def execute(self, code: str, ranks=None, timeout=None, join=True, check_collectives=None):
@@ -41,12 +42,12 @@ class CellLevel:
 
         from nbdist.worker.cell import run_cell
 
-        def write(cell_dir):
+        def write(cell_dir, held):
             cell_file = os.path.join(cell_dir, "cell.py")
             text = code if code.endswith("\n") else code + "\n"
             ast.parse(text, filename=cell_file)  # a SyntaxError names the line before anything runs
             rundir.write_private(cell_file, text.encode("utf-8"))  # tracebacks show the code's own lines
-            rundir.write_payload(cell_dir, run_cell, (cell_file, False, {}, []), {})
+            return rundir.write_payload(cell_dir, run_cell, (cell_file, False, {}, []), {}, sources_held=held)
 
         cell = self._submit(write, ranks, timeout, check_collectives)
         return cell if not join else cell.wait()
@@ -112,12 +113,15 @@ class CellLevel:
         targets = inc.prepare(ranks)
         cell_dir = inc.new_cell_dir()
         try:
-            write(cell_dir)
+            sent = write(cell_dir, inc.sources_held)  # the notebook sources the ranks lack
         except BaseException:
             rundir.discard_run_dir(cell_dir)
             raise
         check = self.check_collectives if check_collectives is None else check_collectives
-        return inc.start_cell(cell_dir, targets, timeout, check_collectives=check, stdin=stdin)
+        cell = inc.start_cell(cell_dir, targets, timeout, check_collectives=check, stdin=stdin)
+        if sent and set(targets) >= set(inc.conns):  # every rank holds them now
+            inc.sources_held |= sent
+        return cell
 
     def interrupt(self) -> None:
         """The stop button: interrupt the running cell, if any; the ranks keep their state."""

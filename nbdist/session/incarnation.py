@@ -94,6 +94,7 @@ class Incarnation:
         self.world = None  # a session across kernels: its link to the others (nbdist.session.peers)
         self.last_reform: dict | None = None  # each rank's timings of the last re-forming
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
+        self.sources_held: set[str] = set()  # notebook cell sources every rank got with an earlier cell
         self.last_failed_rank: int | None = None  # the root cause of the last failed cell (%dist_debug)
         self._cells = 0
         self.ready = threading.Event()

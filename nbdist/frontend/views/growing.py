@@ -103,14 +103,19 @@ class GrowingView(BufferedView):
         """A quick cell: its lines as a plain cell's stream output, folded; rank 0's rich output as the cell's."""
         import sys
 
+        wrote = False
         for stream, text in fold_lines(self._held):
             (sys.stderr if stream == "stderr" else sys.stdout).write(text + "\n")
+            wrote = True
         for shown in self.take_displays():
             if not show_in_cell(shown):
                 sys.stdout.write(f"[{shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")
+                wrote = True
         if not (self.run.status == "finished" and self.run.quiet_when_finished):
             sys.stdout.write(f"nbdist: {format_report_line(self.run)}  (logs: {self.run.log_dir})\n")
-        sys.stdout.flush()
+            wrote = True
+        if wrote:  # a kernel's flush waits for its IO thread: a silent cell has nothing to wait for
+            sys.stdout.flush()
 
     def _grow(self) -> None:
         """Become the live view: it subscribes with replay, so it shows what came before too."""
