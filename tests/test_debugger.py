@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import nbdist_kernel, wait_for
+from conftest import nbdist_kernel
 
 
 @pytest.fixture(scope="module")
