@@ -4,10 +4,11 @@
     .venv/bin/python benchmarks/bench_warm.py [--repeat 5] [--nprocs 4]
 
 Through a real kernel (jupyter_client): a fresh ``%%distributed -n 4`` cell with one all_reduce on
-warm ranks in the default view (and in the text view; the first cell after ``%load_ext nbdist`` once warm-up is done, then the median of
-the next), beside ``torch.multiprocessing.spawn`` of the same work called in that kernel. Outside
-a kernel: Accelerate's ``notebook_launcher`` (it forks), ``nbdist.launch`` from a plain script
-after warm-up, and the memory (PSS) of 4 warm ranks against 4 spawned ranks.
+warm ranks in the default view (and in the text view; the first cell after ``%load_ext nbdist``
+once warm-up is done, then the median of the next), beside ``torch.multiprocessing.spawn`` of the
+same work called in that kernel and a plain cell, in rounds that run each once in a shuffled
+order. Outside a kernel: Accelerate's ``notebook_launcher`` (it forks), ``nbdist.launch`` from a
+plain script after warm-up, and the memory (PSS) of 4 warm ranks against 4 spawned ranks.
 Prints medians and ratios; it asserts nothing (goals, not tests).
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -68,15 +70,18 @@ def bench_kernel(n: int, repeat: int, workdir: str) -> dict:
                "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
         first = k.run(cell.format(""))  # the default view: what a notebook user gets
         assert first.status == "ok" and first.result == f"{float(n)}", first.error_text or first.stdout
-        warm = [k.run(cell.format("")).seconds for _ in range(repeat)]
-        text = [k.run(cell.format(" --view text")).seconds for _ in range(repeat)]
-        plain = [k.run("x = 1").seconds for _ in range(repeat)]
-        spawn = []
-        for _ in range(repeat):
-            res = k.run(f"mp.spawn(benchwork.spawned, args=({n}, {_free_port()}), nprocs={n})")
-            assert res.status == "ok", res.error_text
-            spawn.append(res.seconds)
-        return {"first": first.seconds, "warm": warm, "text": text, "plain": plain, "spawn": spawn}
+        cells = {"warm": lambda: cell.format(""), "text": lambda: cell.format(" --view text"), "plain": lambda: "x = 1",
+                 "spawn": lambda: f"mp.spawn(benchwork.spawned, args=({n}, {_free_port()}), nprocs={n})"}
+        out = {name: [] for name in cells}
+        # Rounds, each cell once in a seeded shuffled order: the box's drift weighs on all alike.
+        for i in range(repeat):
+            order = list(cells)
+            random.Random(i).shuffle(order)
+            for name in order:
+                res = k.run(cells[name]())
+                assert res.status == "ok", res.error_text
+                out[name].append(res.seconds)
+        return {"first": first.seconds, **out}
     finally:
         k.shutdown()
 
