@@ -32,8 +32,8 @@ from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 from nbdist.worker import flight_recorder
 from nbdist.worker.model_reset import reset_models, track_ddp_models
 
-__all__ = ["BACKEND_NAME", "ReformableGroup", "register", "wrapped_backends", "release_groups", "cut_groups",
-           "reform_groups", "count_collectives", "live_groups"]
+__all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
+           "count_collectives", "live_groups"]
 
 BACKEND_NAME = "nbdist"
 
@@ -232,11 +232,6 @@ def register(backend: str) -> str:
     track_ddp_models()
     _report_wrapped_backend(backend)
     return BACKEND_NAME
-
-
-def wrapped_backends() -> set[str]:
-    """The torch backends the session's groups wrap (``{"gloo"}``, or ``{"gloo", "nccl"}``)."""
-    return set(_DEVICES.values())
 
 
 def _report_wrapped_backend(backend: str) -> None:

@@ -31,11 +31,12 @@ _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16
 
 
 def nccl_in_use() -> bool:
-    """Whether this rank's session groups put CUDA tensors through NCCL (else there is nothing of
-    torch's to read, and reading NCCL's recorder must not be the first thing to touch CUDA)."""
-    from nbdist.worker import reformable_groups
+    """Whether this rank's default group puts CUDA tensors through NCCL (else there is nothing of
+    torch's to read, and reading NCCL's recorder must not be the first thing to touch CUDA). A
+    session's group answers with the backend it wraps (``"nccl"``), as user code sees it."""
+    import torch.distributed as dist
 
-    return "nccl" in reformable_groups.wrapped_backends()
+    return dist.is_initialized() and "nccl" in str(dist.get_backend()).lower()
 
 
 def recorder_on() -> bool:
