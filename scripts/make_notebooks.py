@@ -304,7 +304,9 @@ write("06_debugging.ipynb", [
     code("%%distributed\nimport time, torch, torch.distributed as dist\nrank = dist.get_rank()\n"
          "dist.all_reduce(torch.ones(4))\ndist.broadcast(torch.zeros(2, 3), src=0)"),
     md("## The flight recorder\n\nEach rank keeps its last 64 collectives per group: op, sequence number, shapes and "
-       "dtypes, root, start, end and state."),
+       "dtypes, root, start, end and state. With NCCL, a collective returns to Python once it is queued on the GPU: "
+       "the reports then add what torch's own Flight Recorder says of the ones the GPU has not finished (\"on the "
+       "GPU, nccl:all_reduce #3 float32[1024] on pg 0, scheduled on the GPU 1.0 s ago\")."),
     code("%%distributed\nfrom nbdist.worker.flight_recorder import recent_collectives, describe_collective\n"
          "for c in recent_collectives():\n    print(describe_collective(c), '->', c.state)"),
     md("A hang: rank 0 all-reduces while rank 1 broadcasts. The stop button (here `--timeout`, which a headless "
