@@ -271,8 +271,8 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity, leaving: bo
         import torch.distributed as dist
 
         if dist.is_initialized():
-            if leaving:
-                _KEPT_UNTIL_EXIT.extend(dist.distributed_c10d._world.pg_map)
+            if leaving:  # torch's registry of groups (private: a torch without it destructs them, slower)
+                _KEPT_UNTIL_EXIT.extend(getattr(getattr(dist.distributed_c10d, "_world", None), "pg_map", ()))
             dist.destroy_process_group()
     return code
 
