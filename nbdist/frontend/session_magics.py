@@ -237,8 +237,7 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     except BaseException:
         rundir.discard_run_dir(cell_dir)
         raise
-    if set(targets) >= set(inc.conns):  # every rank has them now: later cells need not send them again
-        inc.sources_held |= sent
+    inc.note_sources_sent(targets, sent)
     inc.defined_names |= find_defined_names(job.tree)
     shell.user_ns["_dist"] = handle
     return job, handle

@@ -119,8 +119,7 @@ class CellLevel:
             raise
         check = self.check_collectives if check_collectives is None else check_collectives
         cell = inc.start_cell(cell_dir, targets, timeout, check_collectives=check, stdin=stdin)
-        if sent and set(targets) >= set(inc.conns):  # every rank holds them now
-            inc.sources_held |= sent
+        inc.note_sources_sent(targets, sent)
         return cell
 
     def interrupt(self) -> None:

@@ -393,6 +393,12 @@ class Incarnation:
             self.wait_ready(0)  # says why
         return targets
 
+    def note_sources_sent(self, targets, sent) -> None:
+        """A cell's payload carried the notebook sources ``sent`` to ``targets``: once every rank
+        holds them, later cells leave them out (``rundir.write_payload(sources_held=...)``)."""
+        if sent and set(targets) >= set(self.conns):
+            self.sources_held |= sent
+
     def new_cell_dir(self) -> str:
         """A private folder for the next cell's record (its payload, its source)."""
         with self.lock:

@@ -28,8 +28,8 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["KEEP", "Collective", "CollectiveMismatchError", "record", "watch_work", "abandon", "check_collective", "checking",
-           "open_collectives", "recent_collectives", "write_open_collectives", "describe_collective"]
+__all__ = ["KEEP", "Collective", "CollectiveMismatchError", "record", "watch_work", "abandon", "check_collective",
+           "checking", "open_collectives", "recent_collectives", "write_open_collectives", "describe_collective"]
 
 KEEP = 64  # collectives kept per group
 # The Python API's names, for messages (the group's methods are the C++ ones).
@@ -120,6 +120,7 @@ def watch_work(entry: Collective, work) -> None:
     if work is None:
         entry.state = "issued"
         return
+
     def ended(future) -> None:
         entry.ended = time.time()
         try:
