@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -190,6 +191,20 @@ def wait_for(predicate, timeout: float, interval: float = 0.05, what: str = "con
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def began(code: str, folder) -> str:
+    """``code`` that first leaves ``began.<rank>`` in ``folder`` (created here, fresh per cell), so a
+    test can wait until every rank runs it: a session says nothing when a cell begins."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=False)
+    return (f"__import__('pathlib').Path({str(folder)!r}, 'began.' + __import__('os').environ['RANK']).touch()\n"
+            + code)
+
+
+def wait_began(folder, n: int, timeout: float = 30):
+    """Until ``n`` ranks began the cell that :func:`began` made."""
+    wait_for(lambda: len(list(Path(folder).glob("began.*"))) >= n, timeout, what=f"the cell to begin on {n} ranks")
 
 
 def marked_pids(run_id=None) -> set[int]:

@@ -193,3 +193,19 @@ def hold_gpu_memory(mib):
     open(os.path.join(os.environ["NBDIST_RUN_DIR"], "holding"), "w").close()
     time.sleep(600)
     return block.numel()
+
+
+class LoadsSlowly:
+    """An argument whose unpickling on the rank takes ``seconds`` (before the function's code
+    begins) and gives ``value``."""
+
+    def __init__(self, seconds, value):
+        self.seconds, self.value = seconds, value
+
+    def __reduce__(self):
+        return _slept, (self.seconds, self.value)
+
+
+def _slept(seconds, value):
+    time.sleep(seconds)
+    return value

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import rankfns
-from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
+from conftest import began, marked_pids, start_parent_with_loader_ranks, wait_began, wait_for
 
 import nbdist
 from nbdist.launchers.mpirun import MpirunLauncher
@@ -90,15 +90,15 @@ def test_engine_dead_parent_leaves_nothing(engine, run_script, tmp_path):
           f"nothing left in {time.monotonic() - t0:.2f} s")
 
 
-def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(engine):
+def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(engine, tmp_path):
     """The same session worker under mpirun, torchrun and srun: cells keep their state, the stop
     button brings the ranks back to idle, and closing leaves nothing of the engine's tree."""
     with nbdist.Session(nprocs=2, **engine) as s:
         assert s.wait_ready(120)
         assert s.execute("import torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
                          "dist.all_reduce(t)\nt.item()") == {0: 3.0, 1: 3.0}
-        cell = s.execute("import time\nwhile True:\n    time.sleep(0.01)", join=False)
-        wait_for(lambda: len(cell.offsets) == 2, 30, what="the cell to start")
+        cell = s.execute(began("import time\nwhile True:\n    time.sleep(0.01)", tmp_path / "c"), join=False)
+        wait_began(tmp_path / "c", 2)
         cell.interrupt()
         with pytest.raises(nbdist.RunStoppedError):
             cell.wait(30)
@@ -122,21 +122,22 @@ def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(en
 
 
 @pytest.mark.parametrize("what", ["session", "run"])
-def test_a_killed_kernel_leaves_nothing_of_the_engine_within_3_s(engine, run_script, what):
+def test_a_killed_kernel_leaves_nothing_of_the_engine_within_3_s(engine, run_script, what, tmp_path):
     """SIGKILL a kernel whose session cell is busy (the engine started from the session's own
     thread), or whose run a thread other than the main one started: the engine and every rank are
     gone within 3 s (the engine's PDEATHSIG from the forker thread, the ranks' own watch on the kernel)."""
+    busy = began("import time\nwhile True:\n    time.sleep(0.01)", tmp_path / "c")
     proc = run_script(
         f"""
-        import sys, threading, time, nbdist
+        import pathlib, sys, threading, time, nbdist
         sys.path.insert(0, {HERE!r})
         import rankfns
         engine = {engine!r}
         if {what!r} == "session":
             s = nbdist.Session(nprocs=2, **engine)
             s.wait_ready(120)
-            cell = s.execute("import time\\nwhile True:\\n    time.sleep(0.01)", join=False)
-            while len(cell.offsets) < 2:
+            cell = s.execute({busy!r}, join=False)
+            while len(list(pathlib.Path({str(tmp_path / "c")!r}).glob("began.*"))) < 2:
                 time.sleep(0.05)
             marker = s.session_id
         else:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import rankfns
-from conftest import marked_pids, wait_for
+from conftest import began, marked_pids, wait_began, wait_for
 
 import nbdist
 from nbdist.errors import LaunchConfigError, RunStoppedError, SessionLostError, WorkerFailedError
@@ -63,9 +63,9 @@ def test_a_session_restarted_after_a_death_in_a_cell_takes_cells_for_30_s(sessio
     assert session.status == "idle" and cells > 20, cells
 
 
-def test_a_timed_out_cell_s_timer_never_reaches_the_next_incarnation(session):
-    cell = session.execute("import time\ntime.sleep(60)", timeout=2.0, join=False)
-    wait_for(lambda: len(cell.offsets) == 2, 30, what="the cell to start")
+def test_a_timed_out_cell_s_timer_never_reaches_the_next_incarnation(session, tmp_path):
+    cell = session.execute(began("import time\ntime.sleep(60)", tmp_path / "c"), timeout=2.0, join=False)
+    wait_began(tmp_path / "c", 2)
     session.restart()  # before the timer fires
     assert session.wait_ready(120)
     assert cell.done and cell.status == "lost"

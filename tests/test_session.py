@@ -14,7 +14,8 @@ import time
 
 import psutil
 import pytest
-from conftest import marked_pids, wait_for
+import rankfns
+from conftest import began, marked_pids, wait_began, wait_for
 
 import nbdist
 from nbdist.errors import RunStoppedError, SessionLostError, WorkerFailedError
@@ -98,10 +99,11 @@ def test_a_raising_cell_names_its_line_and_the_ranks_stay_idle_with_their_state(
     assert session.execute("kept") == {0: "still here", 1: "still here"}
 
 
-def test_interrupt_a_python_loop_keeps_the_namespace(session):
+def test_interrupt_a_python_loop_keeps_the_namespace(session, tmp_path):
     session.execute("import time\nmodel_state = {'step': 0}")
-    cell = session.execute("while True:\n    model_state['step'] += 1\n    time.sleep(0.001)", join=False)
-    wait_for(lambda: len(cell.offsets) == 2, 30, what="the cell to start on both ranks")
+    cell = session.execute(began("while True:\n    model_state['step'] += 1\n    time.sleep(0.001)", tmp_path / "c"),
+                           join=False)
+    wait_began(tmp_path / "c", 2)
     time.sleep(0.3)
     t0 = time.monotonic()
     cell.interrupt()
@@ -115,12 +117,29 @@ def test_interrupt_a_python_loop_keeps_the_namespace(session):
     assert session.execute("model_state['step'] > 0") == {0: True, 1: True}
 
 
+def test_a_stop_that_comes_before_the_cell_begins_stops_it_as_it_begins(session):
+    """The stop pressed as the cell is sent reaches ranks still reading it (here its argument takes
+    1 s to load, and the SIGINT finds no user code to interrupt): each rank stops the cell as its
+    code begins, instead of running it on until the session gives up on it."""
+    session.execute("kept = 7")
+    cell = session.run(rankfns.spin, rankfns.LoadsSlowly(1.0, 120), join=False)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    cell.interrupt()
+    with pytest.raises(RunStoppedError, match="idle again, their state kept"):
+        cell.wait(30)
+    assert time.monotonic() - t0 < 3.0 and session.status == "idle"
+    assert session.execute("kept") == {0: 7, 1: 7}
+    assert session.run(rankfns.rank_sum) == {0: 3.0, 1: 3.0}, "the next cell runs as usual"
+
+
 ALL_REDUCE = "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt.item()"
 
 
-def _press_stop(cell, expected):
-    """Wait until every targeted rank runs ``cell``, let it settle, press stop; ``(error, seconds)``."""
-    wait_for(lambda: len(cell.offsets) == len(cell.targets), 30, what="the cell to start on every rank")
+def _press_stop(cell, expected, marks):
+    """Wait until every targeted rank runs ``cell`` (made with ``began(..., marks)``), let it settle,
+    press stop; ``(error, seconds)``."""
+    wait_began(marks, len(cell.targets))
     time.sleep(0.3)
     t0 = time.monotonic()
     cell.interrupt()
@@ -213,13 +232,13 @@ def test_interrupt_a_ddp_loop_with_a_rank_stuck_in_backward_keeps_the_model(sess
     print(f"stop button, rank 1 stuck in backward -> idle in {took:.2f} s: {info.value.report}")
 
 
-def test_interrupt_a_ddp_training_loop_anywhere_keeps_the_model(session):
+def test_interrupt_a_ddp_training_loop_anywhere_keeps_the_model(session, tmp_path):
     session.execute(DDP_MODEL)
     before = session.execute("step()")[0]
     said = ""
     for delay in (0.3, 0.7, 1.1):  # the signal lands wherever the ranks are: in or between collectives
-        cell = session.execute("n = 0\nwhile True:\n    step()\n    n += 1", join=False)
-        wait_for(lambda: len(cell.offsets) == 2, 30, what="training to start")
+        cell = session.execute(began("n = 0\nwhile True:\n    step()\n    n += 1", tmp_path / str(delay)), join=False)
+        wait_began(tmp_path / str(delay), 2)
         time.sleep(delay)
         t0 = time.monotonic()
         cell.interrupt()
@@ -260,15 +279,15 @@ def test_fsdp2_model_trains_on_after_a_rank_raised_mid_step(session):
     assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
 
 
-def test_an_fsdp2_loop_stopped_anywhere_trains_on(session):
+def test_an_fsdp2_loop_stopped_anywhere_trains_on(session, tmp_path):
     """The stop lands mid-forward, mid-backward or in the optimizer, at a different point on each
     rank: some layers may stay unsharded on one rank, an all-gather prefetched on another. FSDP2's
     own per-iteration reset, on every rank, lets the next step's collectives pair up again."""
     session.execute(FSDP_MODEL)
     before = session.execute("fsdp_step()")[0]
     for delay in (0.3, 0.5, 0.7, 0.9):
-        cell = session.execute("while True:\n    fsdp_step()", join=False)
-        wait_for(lambda: len(cell.offsets) == 2, 30, what="training to start")
+        cell = session.execute(began("while True:\n    fsdp_step()", tmp_path / str(delay)), join=False)
+        wait_began(tmp_path / str(delay), 2)
         time.sleep(delay)
         cell.interrupt()
         with pytest.raises(RunStoppedError):
@@ -324,12 +343,12 @@ def test_four_ranks_in_a_ring_all_reduce_are_all_released_when_one_rank_is_missi
             {0: 10.0, 1: 10.0, 2: 10.0, 3: 10.0}
 
 
-def test_ranks_stuck_with_no_free_peer_cut_their_own_connections_and_keep_their_state(session):
+def test_ranks_stuck_with_no_free_peer_cut_their_own_connections_and_keep_their_state(session, tmp_path):
     """Both ranks wait in a recv from each other: no peer is free to release them, so each cuts its
     own groups' sockets (a thread of its own, woken by a signal), and the groups are re-formed."""
     session.execute("import torch, torch.distributed as dist\nkept = dist.get_rank() * 10")
-    cell = session.execute("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank())", join=False)
-    error, took = _press_stop(cell, RunStoppedError)
+    cell = session.execute(began("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank())", tmp_path / "c"), join=False)
+    error, took = _press_stop(cell, RunStoppedError, tmp_path / "c")
     report = error.report
     print(f"both ranks stuck in recv -> idle in {took:.2f} s: {report}")
     assert "ranks 0-1 waited in collectives that could not complete, and were released" in report, report
@@ -337,12 +356,13 @@ def test_ranks_stuck_with_no_free_peer_cut_their_own_connections_and_keep_their_
     assert session.execute(ALL_REDUCE + "\n(t.item(), kept)") == {0: (3.0, 0), 1: (3.0, 10)}
 
 
-def test_ranks_stuck_where_nothing_can_free_them_stop_the_session_and_say_where(session):
+def test_ranks_stuck_where_nothing_can_free_them_stop_the_session_and_say_where(session, tmp_path):
     """A recv on a group nbdist doesn't wrap (an explicit gloo group): nothing frees it, so the
     session is stopped within seconds, saying which ranks, where, and that the state is lost."""
     session.execute("import torch, torch.distributed as dist\ng = dist.new_group(backend='gloo')")
-    cell = session.execute("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank(), group=g)", join=False)
-    error, took = _press_stop(cell, SessionLostError)
+    cell = session.execute(began("t = torch.zeros(1)\ndist.recv(t, src=1 - dist.get_rank(), group=g)", tmp_path / "c"),
+                           join=False)
+    error, took = _press_stop(cell, SessionLostError, tmp_path / "c")
     text = str(error)
     assert "ranks 0-1 could not be brought back" in text and "did not free them" in text, text
     assert "in recv" in text and "restart()" in text, text

@@ -180,8 +180,7 @@ class SessionWalk:
             {r: float(self.nprocs) for r in self.ranks}
 
     def _stop(self, cell, delay: float) -> None:
-        wait_for(lambda: len(cell.offsets) == len(cell.targets) or cell.done, 30, what="the cell to start")
-        time.sleep(delay)
+        time.sleep(delay)  # from the send: on a busy box the stop may come before a rank began the cell
         t0 = time.monotonic()
         cell.interrupt()
         try:

@@ -63,6 +63,7 @@ class CellJob:
     modules: dict = field(default_factory=dict)  # name -> module name
     pull: list = field(default_factory=list)
     tree: object = None  # the cell's parsed source
+    source_text: str = ""  # cell.py's text (a session cell sends it along)
     channel: object = None  # set when each kernel of an attached world spawns its own ranks
 
 
@@ -126,7 +127,7 @@ def write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull
         raise UsageError(f"--push: no variable named {', '.join(map(repr, missing))} in the notebook")
     job = CellJob(args, options, engine, run_id, run_dir, cell_file, pull=pull)
     # Only names the cell reads travel: an unpicklable, unrelated notebook variable never matters.
-    job.tree = tree
+    job.tree, job.source_text = tree, source.text
     values = {}
     for name in sorted((find_read_names(tree) - set(on_ranks)) | set(push)):
         if name not in user_ns or (name in hidden and name not in push):

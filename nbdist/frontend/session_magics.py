@@ -89,7 +89,7 @@ def debug_last_failure(shell, rank: int | None = None) -> None:
     if not has_stdin(shell):
         print("nbdist: %dist_debug needs a stdin (a notebook or a terminal); this front end has none")
         return
-    handle = session._submit(lambda cell_dir, held: rundir.write_payload(cell_dir, post_mortem, sources_held=held),
+    handle = session._submit(lambda cell_dir, held: rundir.pack_payload(post_mortem, sources_held=held),
                              [rank], None, stdin=True)
     try:
         while not handle.done:
@@ -229,9 +229,9 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     try:
         job = write_cell(shell, args, options, None, CellSource(line, cell), f"{inc.session_id}", cell_dir, push,
                          pull, on_ranks=inc.defined_names)
-        sent = rundir.write_payload(cell_dir, run_cell, (job.cell_file, bool(job.pushed), job.modules, job.pull),
-                                    {}, sources_held=inc.sources_held)
-        handle = inc.start_cell(cell_dir, targets, args.timeout,
+        payload, sent = rundir.pack_payload(run_cell, (job.cell_file, bool(job.pushed), job.modules, job.pull,
+                                                      job.source_text), {}, sources_held=inc.sources_held)
+        handle = inc.start_cell(cell_dir, targets, payload, args.timeout,
                                 check_collectives=args.check_collectives or session.check_collectives,
                                 stdin=has_stdin(shell) and not args.bg)
     except BaseException:

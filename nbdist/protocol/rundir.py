@@ -3,7 +3,8 @@
 Layout (all files 0600 in a 0700 folder, because the payload is code)::
 
     spec.json            RunSpec: run id, world layout, backend, rendezvous, kernel pid
-    payload.pkl          the cloudpickled function, its arguments and notebook source lines
+    payload.pkl          the cloudpickled function, its arguments and notebook source lines (a
+                         session cell's small payload comes with its message instead)
     cell.py              the cell source (written by the magic), so tracebacks show real lines
     rank{R}.stdout/.stderr   everything the rank wrote to fd 1 and 2
     result.{R}.pkl       the rank's return value
@@ -33,6 +34,7 @@ __all__ = [
     "write_private",
     "write_spec",
     "read_spec",
+    "pack_payload",
     "write_payload",
     "read_payload",
     "write_result",
@@ -48,6 +50,7 @@ __all__ = [
     "log_path",
     "PULL_FILE",
     "PUSH_FILE",
+    "PAYLOAD_FILE",
     "RUN_ID_ENV",
     "RUN_DIR_ENV",
 ]
@@ -56,6 +59,7 @@ RUN_ID_ENV = "NBDIST_RUN_ID"
 RUN_DIR_ENV = "NBDIST_RUN_DIR"
 PULL_FILE = "pull.pkl"  # the --pull variables rank 0 leaves for the kernel
 PUSH_FILE = "pushed.pkl"  # the notebook values a cell reads
+PAYLOAD_FILE = "payload.pkl"
 
 
 @dataclass
@@ -214,12 +218,11 @@ def _collect_notebook_sources(skip=frozenset(), limit_bytes: int = 4_000_000) ->
     return out
 
 
-def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None, sources_held=frozenset()) -> set[str]:
-    """cloudpickle ``fn`` with its arguments into ``payload.pkl``; errors name the bad argument.
+def pack_payload(fn, args=(), kwargs=None, extra=None, sources_held=frozenset()) -> tuple[bytes, set[str]]:
+    """cloudpickle ``fn`` with its arguments (errors name the bad argument); ``(bytes, files sent)``.
 
     The notebook's cell sources go along, but for ``sources_held`` (the files a session's ranks
-    got with an earlier cell: a notebook of many cells would send them all again each time).
-    Returns the files it sent."""
+    got with an earlier cell: a notebook of many cells would send them all again each time)."""
     import pickle
 
     from nbdist.protocol.pickling import dump_pickle_checked
@@ -232,17 +235,26 @@ def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None, sources_he
     parts["kwargs"] = {k: dump_pickle_checked(v, f"argument {k!r}") for k, v in kwargs.items()}
     parts["extra"] = {k: dump_pickle_checked(v, f"{k!r}") for k, v in (extra or {}).items()}
     parts["sources"] = _collect_notebook_sources(sources_held)
-    write_private(os.path.join(run_dir, "payload.pkl"), pickle.dumps(parts))
-    return set(parts["sources"])
+    return pickle.dumps(parts), set(parts["sources"])
 
 
-def read_payload(run_dir: str):
-    """Return ``(fn, args, kwargs, extra)`` and seed linecache with the notebook's sources."""
+def write_payload(run_dir: str, fn, args=(), kwargs=None, extra=None, sources_held=frozenset()) -> set[str]:
+    """:func:`pack_payload` into ``payload.pkl``; returns the notebook source files it sent."""
+    data, sent = pack_payload(fn, args, kwargs, extra, sources_held)
+    write_private(os.path.join(run_dir, PAYLOAD_FILE), data)
+    return sent
+
+
+def read_payload(run_dir: str, data: bytes | None = None):
+    """Return ``(fn, args, kwargs, extra)`` from ``data`` (a session cell's payload came with its
+    message) or ``payload.pkl``, and seed linecache with the notebook's sources."""
     import linecache
     import pickle
 
-    with open(os.path.join(run_dir, "payload.pkl"), "rb") as fh:
-        parts = pickle.load(fh)
+    if data is None:
+        with open(os.path.join(run_dir, PAYLOAD_FILE), "rb") as fh:
+            data = fh.read()
+    parts = pickle.loads(data)
     for filename, lines in parts.get("sources", {}).items():
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     fn = pickle.loads(parts["fn"])

@@ -2,9 +2,11 @@
 request, the socket option both ends set, and how a reply's value is read.
 
 The messages themselves are tuples sent over ``multiprocessing.connection``:
-kernel -> rank ``("cell", cell_id, cell_dir)``, ``("release",)``, ``("close",)``;
-rank -> kernel ``("hello", rank, pid, host)``, ``("started", rank, cell_id, offsets)``,
-``("display", rank, cell_id, data, metadata)``, ``("done", rank, cell_id, kind, body, offsets)``.
+kernel -> rank ``("cell", cell_id, cell_dir, options, payload)`` (``payload`` None: it is in the
+cell's dir), ``("release",)``, ``("close",)``;
+rank -> kernel ``("hello", rank, pid, host)``, ``("display", rank, cell_id, data, metadata)``,
+``("done", rank, cell_id, kind, body, (offsets at start, offsets at end))``. A cell costs one message
+each way per rank: a trivial cell's round trip is the floor of a session cell's time.
 Standard library only.
 """
 
@@ -13,10 +15,14 @@ from __future__ import annotations
 import contextlib
 import pickle
 
-__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "set_nodelay", "load_value"]
+__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay",
+           "load_value"]
 
 
 SESSION_KEY_FILE = "session.key"
+# A cell's payload up to this size goes with its message; a bigger one (a function's tensor
+# argument) is written once into the cell's dir, not once per rank through the kernel's sockets.
+INLINE_PAYLOAD_MAX = 256 * 1024
 
 
 def set_nodelay(conn) -> None:

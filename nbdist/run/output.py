@@ -175,6 +175,10 @@ class RankOutput:
         self.lines: collections.deque[tuple[str, str]] = collections.deque(maxlen=max_lines)
         self.total_lines = 0
 
+    def has_read_to(self, sizes) -> bool:
+        """Whether both streams were read up to ``sizes`` ``(stdout, stderr)`` bytes of their logs."""
+        return all(self.followers[s].offset >= n for s, n in zip(("stdout", "stderr"), sizes))
+
     def poll(self, final: bool = False, pieces=()) -> list[OutputChunk]:
         """New chunks; ``pieces`` are ``(stream, offset, bytes)`` from the output channel."""
         chunks = []

@@ -169,20 +169,30 @@ class Run(EventSource):
             st.exitcode, st.signal_name = describe_exitcode(exitcode)
         self._emit(RunEvent(status, self.global_rank(local), st))
 
-    def pump_output(self, final: bool = False) -> None:
+    def pump_output(self, final: bool = False, unless_read_to: dict | None = None) -> None:
         """Read what the ranks wrote since the last pump and tell the subscribers.
 
         The monitor pumps on every tick; a stop in another thread pumps one last time, and a
-        session cell pumps before it says it is done.
+        session cell pumps before it says it is done, ``unless_read_to`` (``{global rank: (stdout,
+        stderr) sizes}`` its ranks said their logs had at the end) was read and told already: a
+        silent cell reads no file.
         """
-        with self._pump_lock:
-            if self._pumped_final:
+        with self._pump_lock:  # a pump under way on another thread has told what it read before this looks
+            if self._pumped_final or (unless_read_to is not None and self._has_read_to(unless_read_to)):
                 return
             self._pumped_final = final
             for r, out in self.outputs.items():
                 pieces = self.channel.take(self.global_rank(r)) if self.channel is not None else ()
                 for chunk in out.poll(final=final, pieces=pieces):
                     self._emit(chunk)
+
+    def _has_read_to(self, sizes: dict) -> bool:
+        outputs = {self.global_rank(r): out for r, out in self.outputs.items()}
+        for grank, ends in sizes.items():
+            out = outputs.get(grank)
+            if out is None or not out.has_read_to(ends):
+                return False
+        return True
 
     def take_result(self, grank: int) -> bool:
         """Load rank ``grank``'s value, if it returned one; a value the kernel can't load (a class

@@ -200,16 +200,12 @@ class CellHandle(EventSource):
         self._timer.start()
 
     # ---- filled in by the session --------------------------------------------------------
-    def record_start(self, rank: int, offsets) -> None:
-        self.offsets[rank] = (tuple(offsets), None)
-
     def record_done(self, rank: int, kind: str, body, offsets, pid: int | None) -> bool:
         """One rank's answer; True when it was the last one."""
         from nbdist.protocol.session_channel import load_value
 
         with self._lock:
-            start = self.offsets.get(rank, (None, None))[0]
-            self.offsets[rank] = (start, tuple(offsets))
+            self.offsets[rank] = tuple(map(tuple, offsets))
             if kind == "finished":
                 try:
                     self.results[rank] = load_value(body)

@@ -29,7 +29,7 @@ class CellLevel:
         raised; the ranks are then idle again with their state kept. ``join=False`` returns the
         :class:`~nbdist.session.cell_handle.CellHandle`. ``timeout`` interrupts the cell when it expires.
         """
-        cell = self._submit(lambda cell_dir, held: rundir.write_payload(cell_dir, fn, args, kwargs, sources_held=held),
+        cell = self._submit(lambda cell_dir, held: rundir.pack_payload(fn, args, kwargs, sources_held=held),
                             ranks, timeout)
         return cell if not join else cell.wait()
 
@@ -42,14 +42,14 @@ class CellLevel:
 
         from nbdist.worker.cell import run_cell
 
-        def write(cell_dir, held):
+        def pack(cell_dir, held):
             cell_file = os.path.join(cell_dir, "cell.py")
             text = code if code.endswith("\n") else code + "\n"
             ast.parse(text, filename=cell_file)  # a SyntaxError names the line before anything runs
             rundir.write_private(cell_file, text.encode("utf-8"))  # tracebacks show the code's own lines
-            return rundir.write_payload(cell_dir, run_cell, (cell_file, False, {}, []), {}, sources_held=held)
+            return rundir.pack_payload(run_cell, (cell_file, False, {}, [], text), {}, sources_held=held)
 
-        cell = self._submit(write, ranks, timeout, check_collectives)
+        cell = self._submit(pack, ranks, timeout, check_collectives)
         return cell if not join else cell.wait()
 
     def push(self, ranks=None, **values) -> None:
@@ -108,17 +108,18 @@ class CellLevel:
         finally:
             shared.close()  # every rank mapped it (or the cell ended without it)
 
-    def _submit(self, write, ranks, timeout, check_collectives=None, stdin: bool = False) -> CellHandle:
+    def _submit(self, pack, ranks, timeout, check_collectives=None, stdin: bool = False) -> CellHandle:
+        """Start a cell whose payload ``pack(cell_dir, sources_held)`` makes (``(bytes, sources sent)``)."""
         inc = self.incarnation  # one incarnation for the whole call, even if another thread restarts
         targets = inc.prepare(ranks)
         cell_dir = inc.new_cell_dir()
         try:
-            sent = write(cell_dir, inc.sources_held)  # the notebook sources the ranks lack
+            payload, sent = pack(cell_dir, inc.sources_held)  # the notebook sources the ranks lack
         except BaseException:
             rundir.discard_run_dir(cell_dir)
             raise
         check = self.check_collectives if check_collectives is None else check_collectives
-        cell = inc.start_cell(cell_dir, targets, timeout, check_collectives=check, stdin=stdin)
+        cell = inc.start_cell(cell_dir, targets, payload, timeout, check_collectives=check, stdin=stdin)
         inc.note_sources_sent(targets, sent)
         return cell
 

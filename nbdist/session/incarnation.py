@@ -37,7 +37,7 @@ from multiprocessing.connection import wait
 from nbdist.errors import LaunchConfigError, SessionLostError, format_rank_set
 from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import SESSION_KEY_FILE
+from nbdist.protocol.session_channel import INLINE_PAYLOAD_MAX, SESSION_KEY_FILE
 from nbdist.run.events import TERMINAL, OutputChunk, RunEvent
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import link_kernels, tell_world_gone
@@ -230,9 +230,6 @@ class Incarnation:
         cell = self.active
         if cell is None or message[2] != cell.cell_id:
             return
-        if message[0] == "started":
-            cell.record_start(rank, message[3])
-            return
         if message[0] == "display":
             cell.feed_display(rank, message[3], message[4])
             return
@@ -251,7 +248,8 @@ class Incarnation:
                              daemon=True).start()
 
     def _settle(self, cell: CellHandle) -> None:
-        self.rank_run.pump_output()  # the cell's output is in the logs before the cell says it is done
+        # The cell's output is in the logs before the cell says it is done (each rank said how far).
+        self.rank_run.pump_output(unless_read_to={r: ends for r, (_, ends) in cell.offsets.items()})
         if cell.internal:
             cell.finish()
             return
@@ -407,14 +405,20 @@ class Incarnation:
         os.makedirs(cell_dir, mode=0o700)
         return cell_dir
 
-    def start_cell(self, cell_dir: str, targets: list[int], timeout=None, internal: bool = False,
+    def start_cell(self, cell_dir: str, targets: list[int], payload: bytes, timeout=None, internal: bool = False,
                    check_collectives: bool = False, stdin: bool = False) -> CellHandle:
-        """Send the payload written in ``cell_dir`` to ``targets``; return the cell's handle at once.
+        """Send the cell's ``payload`` (:func:`nbdist.protocol.rundir.pack_payload`) to ``targets``;
+        return the cell's handle at once. A small payload goes with the message (no file to write
+        and read back on the way of every cell); a big one (a function's tensor argument, say) is
+        written once into ``cell_dir`` for every rank to read.
 
         ``internal``: nbdist's own call while it brings the ranks in step after a user's cell;
         ``check_collectives``: the ranks compare each collective before they issue it; ``stdin``: a
         front end answers the ranks' pdb prompts (:mod:`nbdist.frontend.debugger_prompt`).
         """
+        if len(payload) > INLINE_PAYLOAD_MAX:
+            rundir.write_private(os.path.join(cell_dir, rundir.PAYLOAD_FILE), payload)
+            payload = None
         with self.lock:
             if self.status != ("busy" if internal else "idle"):
                 raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
@@ -422,7 +426,7 @@ class Incarnation:
             self.status = "busy"
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)
-        self.send(targets, ("cell", cell.cell_id, cell_dir, {"check_collectives": bool(check_collectives)}))
+        self.send(targets, ("cell", cell.cell_id, cell_dir, {"check_collectives": bool(check_collectives)}, payload))
         return cell
 
     def send(self, ranks, message) -> None:

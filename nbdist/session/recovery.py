@@ -134,8 +134,8 @@ def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
     session is stopped (SessionLostError); a rank that raised raises its WorkerFailedError.
     """
     cell_dir = inc.new_cell_dir()
-    rundir.write_payload(cell_dir, fn, args, {})
-    handle = inc.start_cell(cell_dir, sorted(inc.pids), None, internal=True)
+    payload, _ = rundir.pack_payload(fn, args, {})
+    handle = inc.start_cell(cell_dir, sorted(inc.pids), payload, None, internal=True)
     if not handle.answered.wait(timeout):
         stuck = handle.busy_ranks()
         where = inc.dump_stacks(stuck) if stuck else ""

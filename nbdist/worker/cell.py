@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import linecache
 import os
 import sys
 
@@ -31,12 +32,14 @@ def _rewrite_last_expression(tree: ast.Module) -> ast.Module:
     return tree
 
 
-def run_cell(cell_file: str, pushed: bool, modules: dict, pull: list):
+def run_cell(cell_file: str, pushed: bool, modules: dict, pull: list, source: str | None = None):
     """Run on each rank: execute ``cell_file`` in ``__main__``; return the last expression's value.
 
     With ``pushed``, the notebook's values the cell reads are in ``pushed.pkl`` beside ``cell_file``
     (big buffers mapped from it, copy-on-write); ``modules`` maps names to module names to import
-    here, and rank 0 leaves the ``pull`` variables in ``pull.pkl`` for the kernel.
+    here, and rank 0 leaves the ``pull`` variables in ``pull.pkl`` for the kernel. ``source``: the
+    file's text, sent with a session cell (no file to open on the way of every cell; linecache
+    holds it under the file's name, so tracebacks and ``inspect`` show the cell's lines).
     """
     from nbdist.protocol.shared_values import read_value_file, write_value_file
 
@@ -46,8 +49,12 @@ def run_cell(cell_file: str, pushed: bool, modules: dict, pull: list):
         main[name] = importlib.import_module(module)
     if pushed:
         main.update(read_value_file(os.path.join(here, PUSH_FILE)))
-    with open(cell_file, encoding="utf-8") as fh:
-        source = fh.read()
+    if source is None:
+        with open(cell_file, encoding="utf-8") as fh:
+            source = fh.read()
+    else:
+        lines = source.splitlines(keepends=True)
+        linecache.cache[cell_file] = (len(source), None, lines, cell_file)  # mtime None: never re-read
     tree = _rewrite_last_expression(ast.parse(source, filename=cell_file))
     main.pop(RESULT_NAME, None)
     exec(compile(tree, cell_file, "exec"), main)

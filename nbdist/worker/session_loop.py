@@ -52,6 +52,7 @@ _CELL_DIR: str | None = None  # the cell the main thread runs: a stop is for it 
 _STOPPED = False  # the stop button reached this cell (its error, if any, is the release's)
 _WRITING = False  # the main thread is writing a message to the kernel: a stop waits until it is whole
 _STOP_HELD = False  # a stop came while it wrote: raised the moment the message is out
+_MISSED_STOP = False  # a SIGINT came while no user code ran: maybe the stop of a cell not begun yet
 
 
 def _on_sigint(signum, frame):
@@ -59,9 +60,13 @@ def _on_sigint(signum, frame):
     waits for a cell or reports one is dropped (the kernel only sends it to busy ranks), so is one
     meant for an earlier cell that arrives late (the kernel asks in the cell's own dir), and one
     that comes while user code writes to the kernel (a ``display()`` of a big figure goes as a
-    header and a body) is held until the message is whole, so the channel never tears."""
-    global _STOPPED, _STOP_HELD
-    if _IN_USER_CODE and _stop_asked(_CELL_DIR):
+    header and a body) is held until the message is whole, so the channel never tears. One that
+    comes before the cell's code began (the stop pressed as the cell was sent) is noted: the cell
+    then stops as it begins, if the stop was for it."""
+    global _STOPPED, _STOP_HELD, _MISSED_STOP
+    if not _IN_USER_CODE:
+        _MISSED_STOP = True
+    elif _stop_asked(_CELL_DIR):
         _STOPPED = True
         if _WRITING:
             _STOP_HELD = True
@@ -92,9 +97,10 @@ def _stop_held():
                 raise KeyboardInterrupt
 
 
-def _run_one(cell_dir: str, rank: int):
-    """Run the cell's payload, interruptible; return ``(kind, body)`` for the kernel."""
-    global _IN_USER_CODE, _STOPPED, _CELL_DIR
+def _run_one(cell_dir: str, rank: int, payload: bytes | None):
+    """Run the cell's payload (from its message, else from its dir), interruptible; return
+    ``(kind, body)`` for the kernel."""
+    global _IN_USER_CODE, _STOPPED, _CELL_DIR, _MISSED_STOP
     from nbdist.worker.exceptions import describe_exception
 
     import bdb
@@ -102,7 +108,7 @@ def _run_one(cell_dir: str, rank: int):
     from nbdist.worker import debugger
     from nbdist.worker.cell import run_cell
 
-    fn, args, kwargs, _extra = rundir.read_payload(cell_dir)
+    fn, args, kwargs, _extra = rundir.read_payload(cell_dir, payload)
     if fn is run_cell or not getattr(fn, "__module__", "").startswith("nbdist.worker."):
         # A user's cell or function: %dist_debug shows its failure, not an older one. nbdist's own
         # calls (bringing the ranks in step, pull, post-mortem itself) keep it.
@@ -111,6 +117,11 @@ def _run_one(cell_dir: str, rank: int):
     try:
         try:
             _IN_USER_CODE = True
+            if _MISSED_STOP:  # from here on a SIGINT raises; one that came before is checked once
+                _MISSED_STOP = False
+                if _stop_asked(cell_dir):
+                    _STOPPED = True
+                    raise KeyboardInterrupt
             value = fn(*args, **kwargs)
         finally:
             _IN_USER_CODE = False
@@ -174,15 +185,14 @@ def serve_session(session_dir: str, address) -> None:
             continue
         if message[0] == "debug_reply":  # a late answer to a pdb prompt of a cell that ended (the stop won)
             continue
-        _, cell_id, cell_dir, cell_options = message
+        _, cell_id, cell_dir, cell_options, payload = message
         _let_go_of_values()  # the kernel mapped the last cell's values before it sent this one
         start = _log_offsets()
-        send(("started", rank, cell_id, start))
         running.enter(cell_id, cell_dir)
         _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
         debugger.install(*_debug_channel(conn, send, rank, cell_id))
         try:
-            kind, body = _run_one(cell_dir, rank)
+            kind, body = _run_one(cell_dir, rank, payload)
         except KeyboardInterrupt:  # a second stop within microseconds of the first
             _IN_USER_CODE = False
             kind, body = "interrupted", None
@@ -193,7 +203,7 @@ def serve_session(session_dir: str, address) -> None:
         running.leave()
         _check_collectives(None)
         debugger.install(None, None)
-        send(("done", rank, cell_id, kind, body, _log_offsets()))
+        send(("done", rank, cell_id, kind, body, (start, _log_offsets())))
 
 
 def _debug_channel(conn, send, rank: int, cell_id: int):
