@@ -4,6 +4,7 @@ write, the order of things at exit, SIGINT inherited as ignored, and how long ru
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -269,6 +270,8 @@ def test_a_run_leaves_its_logs_and_not_its_data(tmp_path):
     assert "rank0.stderr" in files and "spec.json" in files and "ended.json" in files, files
     size = sum(os.path.getsize(os.path.join(run.run_dir, f)) for f in files)
     assert size < 64 << 10, f"{size} bytes left: the pushed 8 MB went with the run"
+    record = json.loads((tmp_path / run.run_id / "ended.json").read_text())
+    assert record["status"] == "finished" and 0 < record["size"] <= size, (record, size)
 
 
 def test_pruning_keeps_live_recent_and_failed_runs_and_drops_the_rest(tmp_path):
@@ -303,6 +306,23 @@ def test_pruning_keeps_live_recent_and_failed_runs_and_drops_the_rest(tmp_path):
     # Past 7 days: gone. Past 4 MB: the oldest finished run goes first, failed ones after.
     assert left == ["live", "newest-finished", "recent-failed"], (left, report)
     assert "run dirs (logs) are in" in retention.describe_retention(str(root))
+
+
+def test_pruning_reads_an_ended_run_s_record_and_walks_no_ended_dir(tmp_path, monkeypatch):
+    """A kernel prunes on a thread that shares the notebook's GIL: an ended run's size and time come
+    from the one small record it left at its end, however many files (a session's cells) it holds."""
+    root = tmp_path / "runs"
+    root.mkdir(mode=0o700)
+    now = time.time()
+    for name, age_days, size in (("old", 10, 10), ("big", 0.5, 5 << 20), ("small", 0.1, 1000)):
+        d = root / name
+        d.mkdir(mode=0o700)
+        (d / "rank0.stderr").write_bytes(b"x")  # fresh and tiny: only the record says old, or big
+        (d / "ended.json").write_text(json.dumps({"status": "finished", "time": now - age_days * 86400, "size": size}))
+    walked = []
+    monkeypatch.setattr(retention, "_measure", lambda path: walked.append(path) or (0, now))
+    report = retention.prune_runs(str(root), setting=retention.Retention(keep_days=7, max_mb=4))
+    assert sorted(p.name for p in root.iterdir()) == ["small"] and not walked, (report, walked)
 
 
 def test_cli_ps_says_where_logs_are_and_how_long_they_stay():

@@ -86,11 +86,14 @@ def discard_data(run_dir: str, ranks=None) -> int:
 
 
 def mark_ended(run_dir: str, status: str) -> None:
-    """Record that the run ended, and how: pruning may take its dir once it is old."""
+    """Record that the run ended, how, and its size then: pruning may take its dir once it is old,
+    and reads this one small file instead of walking the dir (an ended run only shrinks)."""
     from nbdist.protocol.rundir import write_private
 
     try:
-        write_private(os.path.join(run_dir, ENDED_FILE), json.dumps({"status": status, "time": time.time()}).encode())
+        size, _ = _measure(run_dir)
+        record = {"status": status, "time": time.time(), "size": size}
+        write_private(os.path.join(run_dir, ENDED_FILE), json.dumps(record).encode())
     except OSError:  # the run dir is gone or read-only: nothing to keep track of
         pass
 
@@ -129,18 +132,35 @@ def _measure(path: str) -> tuple[int, float]:
     return size, newest
 
 
+def _read_ended(path: str) -> dict | None:
+    try:
+        with open(os.path.join(path, ENDED_FILE)) as fh:
+            record = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _ended(path: str) -> str | None:
     from nbdist.run.processes import find_owner
 
-    try:
-        with open(os.path.join(path, ENDED_FILE)) as fh:
-            return str(json.load(fh).get("status", "ended"))
-    except (OSError, ValueError):
-        pass
+    record = _read_ended(path)
+    if record is not None:
+        return str(record.get("status", "ended"))
     owner = find_owner(path)
     if owner is not None and owner.alive is False:
         return "lost"  # its kernel died without ending it
     return None
+
+
+def _look_at(path: str) -> _RunDir:
+    """An ended run by the record it left (one small file); any other by walking it."""
+    record = _read_ended(path)
+    size, when = (record or {}).get("size"), (record or {}).get("time")
+    if isinstance(size, int) and isinstance(when, (int, float)):
+        return _RunDir(path, size, float(when), str(record.get("status", "ended")))
+    size, newest = _measure(path)
+    return _RunDir(path, size, newest, _ended(path))
 
 
 def _busy_run_dirs() -> set[str]:
@@ -161,10 +181,10 @@ def prune_runs(root: str, now: float | None = None, setting: Retention | None = 
         if os.path.islink(path) or not os.path.isdir(path) or os.path.realpath(path) in busy:
             continue
         try:
-            size, newest = _measure(path)
+            dirs.append(_look_at(path))
         except OSError:
             continue
-        dirs.append(_RunDir(path, size, newest, _ended(path)))
+        time.sleep(0)  # the kernel's own threads go first: this one shares their GIL, and is never urgent
     report = PruneReport()
     ended = [d for d in dirs if d.ended is not None]
     old = [d for d in ended if now - d.last_write > setting.keep_days * 86400]
