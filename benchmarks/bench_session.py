@@ -1,17 +1,24 @@
-"""Session cells against the baselines, measured in the same run, through a real kernel.
+"""Session cells against the baselines, measured in the same run, through real kernels.
 
     .venv/bin/pip install -e '.[bench]'      # ipyparallel: the %px baseline
-    .venv/bin/python benchmarks/bench_session.py [--repeat 20] [--nprocs 4]
+    .venv/bin/python benchmarks/bench_session.py [--repeat 30] [--nprocs 4]
 
-In one kernel (jupyter_client), with a live 4-rank session and ipyparallel's 4 engines both up, in
-rounds that run each cell once: a plain ``x = 1`` cell; ``%%distributed`` cells (a trivial
-statement in the default view and in the text view, one gloo all_reduce); ``%px`` of the trivial
-statement and of a local tensor op. Then the stop button on a busy session cell (time until the ranks are idle,
-state kept), the stop button while a rank waits in DDP's gradient all-reduce for a peer that
-sleeps (released, the group re-formed in place), a rank that raises while its peers wait in a
+Two kernels (jupyter_client), as users have them: one with a live 4-rank session, one with
+ipyparallel's 4 engines; both are up for the whole comparison. They are driven in alternating
+blocks of rounds, each round running each of its kernel's cells once in a shuffled order (seeded):
+in the nbdist kernel a plain ``x = 1`` cell and ``%%distributed`` cells (a trivial statement in the
+default view and in the text view, one gloo all_reduce); in the ipyparallel kernel a plain cell and
+``%px`` of the trivial statement and of a local tensor op. Each kernel's plain cell is its own
+baseline. Then, in the nbdist kernel, the stop button on a busy session cell (time until the ranks
+are idle, state kept), the stop button while a rank waits in DDP's gradient all-reduce for a peer
+that sleeps (released, the group re-formed in place), a rank that raises while its peers wait in a
 collective (time until the error shows), what the re-formable group's forwarding costs per
 collective, and the CPU that an idle session's ranks use. Prints medians and ratios; it asserts
 nothing (goals, not tests).
+
+Why two kernels: in one kernel each system's cells paid for the other's leftover work (ipyparallel's
+client thread still taking the engines' replies when the next cell began holds that kernel's GIL),
+which no user has; blocks alternate so that a drift of this 2-core box weighs on both alike.
 """
 
 from __future__ import annotations
@@ -51,16 +58,29 @@ def _stop_times(k, cell: str, says: str, repeat: int) -> list[float]:
     return took
 
 
+def _rounds(k, cells: dict, times: dict, first: int, count: int) -> None:
+    """``count`` rounds in kernel ``k``, each running every cell once in a seeded shuffled order;
+    the block's first round only warms up (the other kernel ran last)."""
+    for i in range(first, first + count):
+        order = list(cells)
+        random.Random(i).shuffle(order)
+        for name in order:
+            took = _times(k, cells[name], 1)[0]
+            if i > first:
+                times[name].append(took)
+
+
 def main() -> None:
     import psutil
     from kernel_client import Kernel
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--nprocs", type=int, default=4)
     args = parser.parse_args()
     n, r, med = args.nprocs, args.repeat, statistics.median
-    k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1"))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    k, kp = Kernel(env=env), Kernel(env=env)  # nbdist's kernel, ipyparallel's kernel
     try:
         assert k.run("%load_ext nbdist").status == "ok"
         k.run("import nbdist.warmstart.handle\nnbdist.warmstart.handle.current_template().wait_ready(120)")
@@ -68,29 +88,23 @@ def main() -> None:
         k.run("from nbdist.frontend.session_magics import live_session\nlive_session().wait_ready(120)")
         setup = k.run("%%distributed --view text\nimport torch, torch.distributed as dist\nx = 0")
         assert setup.status == "ok", setup.error_text
-        # ipyparallel's %px on n engines, in the same kernel, up for the whole comparison.
-        res = k.run(f"import ipyparallel as ipp\nrc = ipp.Cluster(n={n}, log_level=40).start_and_connect_sync()\n"
-                    f"rc.wait_for_engines({n}, timeout=120)\nrc[:].activate()\n"
-                    "rc[:].execute('import torch, torch.distributed', block=True)\nlen(rc)", timeout=300)
+        # ipyparallel's %px on n engines, in its own kernel, up for the whole comparison.
+        res = kp.run(f"import ipyparallel as ipp\nrc = ipp.Cluster(n={n}, log_level=40).start_and_connect_sync()\n"
+                     f"rc.wait_for_engines({n}, timeout=120)\nrc[:].activate()\n"
+                     "rc[:].execute('import torch, torch.distributed', block=True)\nlen(rc)", timeout=300)
         assert res.status == "ok" and res.result == str(n), res.error_text
         trivial = "x = 1"
         reduce = "t = torch.ones(1)\ndist.all_reduce(t)"
-        cells = {"plain": trivial, "session": f"%%distributed\n{trivial}",  # the default view: what users get
-                 "text": f"%%distributed --view text\n{trivial}", "reduce": f"%%distributed\n{reduce}",
-                 "px": f"%px {trivial}", "px_local": "%px t = torch.ones(1); t.add_(1)"}
-        # Rounds, each cell once per round in a shuffled order (seeded): a 2-core box drifts (another
-        # process, a GC), and a drift then weighs on every cell alike instead of on whichever block
-        # it fell in; a cell that leaves work behind (ipyparallel's replies) delays no cell always.
-        times = {name: [] for name in cells}
-        for i in range(r + 3):
-            order = list(cells)
-            random.Random(i).shuffle(order)
-            for name in order:
-                took = _times(k, cells[name], 1)[0]
-                if i >= 3:  # warm-up rounds
-                    times[name].append(took)
-        k.run("rc.cluster.stop_cluster_sync()", timeout=120)
-        plain, sess_trivial, text_trivial = times["plain"], times["session"], times["text"]
+        ours = {"plain": trivial, "session": f"%%distributed\n{trivial}",  # the default view: what users get
+                "text": f"%%distributed --view text\n{trivial}", "reduce": f"%%distributed\n{reduce}"}
+        theirs = {"plain_px": trivial, "px": f"%px {trivial}", "px_local": "%px t = torch.ones(1); t.add_(1)"}
+        times = {name: [] for name in (*ours, *theirs)}
+        block = 6  # rounds per block, the first a warm-up
+        for b in range(-(-r // (block - 1))):
+            for kernel, cells in ((k, ours), (kp, theirs)) if b % 2 == 0 else ((kp, theirs), (k, ours)):
+                _rounds(kernel, cells, times, b * block, block)
+        kp.run("rc.cluster.stop_cluster_sync()", timeout=120)
+        plain, plain_px, sess_trivial, text_trivial = times["plain"], times["plain_px"], times["session"], times["text"]
         sess_reduce, px_trivial, px_local = times["reduce"], times["px"], times["px_local"]
         over = [s - p for s, p in zip(sess_trivial, plain)]  # paired, round by round
 
@@ -149,14 +163,16 @@ def main() -> None:
 
     finally:
         k.shutdown()
+        kp.shutdown()
 
     ms = 1e3
-    print(f"{n} ranks, medians of {r} rounds through a real kernel (each round runs every cell once)")
+    print(f"{n} ranks, medians of {len(plain)} rounds through real kernels (each round runs every cell once)")
     print(f"  plain 'x = 1' cell                          {med(plain) * ms:7.1f} ms")
     print(f"  session cell 'x = 1' (default view)         {med(sess_trivial) * ms:7.1f} ms"
           f"   +{med(over) * ms:5.1f} ms over the plain cell, paired by round (goal <= 5 ms)")
     print(f"  session cell 'x = 1', --view text           {med(text_trivial) * ms:7.1f} ms")
     print(f"  session cell, one all_reduce (default view) {med(sess_reduce) * ms:7.1f} ms")
+    print(f"  plain 'x = 1' cell, ipyparallel's kernel    {med(plain_px) * ms:7.1f} ms")
     print(f"  ipyparallel %px 'x = 1' on {n} engines        {med(px_trivial) * ms:7.1f} ms"
           f"   session is {med(px_trivial) / med(sess_trivial):4.1f}x faster (goal >= 2x)")
     print(f"  ipyparallel %px, a local tensor op          {med(px_local) * ms:7.1f} ms")

@@ -8,6 +8,7 @@ Everything that can be refused is refused before any process exists, in one line
 
 from __future__ import annotations
 
+import logging
 import os
 import types
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ from nbdist.protocol import rundir
 from nbdist.protocol.rundir import PULL_FILE, PUSH_FILE
 from nbdist.worker.cell import run_cell
 
-__all__ = ["CellJob", "prepare_cell", "write_cell", "start_cell", "finish_cell", "run_attached_cell", "attached_world",
-           "world_arguments", "session_world_arguments", "world_options", "split_names"]
+__all__ = ["CellJob", "prepare_cell", "write_cell", "write_cell_record", "start_cell", "finish_cell", "run_attached_cell",
+           "attached_world", "world_arguments", "session_world_arguments", "world_options", "split_names"]
+
+log = logging.getLogger(__name__)
 
 def world_arguments(func):
     """The world options as flags of ``%%distributed``, from their one definition (:class:`WorldOptions`)."""
@@ -111,14 +114,18 @@ def prepare_cell(shell, args, line: str, cell: str) -> CellJob:
         raise
 
 
-def write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull, on_ranks=frozenset()) -> CellJob:
+def write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull, on_ranks=frozenset(),
+               write_source: bool = True) -> CellJob:
     """Write ``cell.py`` into ``run_dir`` and pickle the notebook values the cell reads.
 
     ``on_ranks``: names that earlier cells of a session defined on the ranks; the ranks' own
     value wins over a notebook variable of the same name (``--push`` still sends it).
+    ``write_source=False``: the caller writes ``cell.py`` (:func:`write_cell_record`) once the cell
+    is on its way; a session's ranks get the source with the cell and never read the file.
     """
     cell_file = os.path.join(run_dir, "cell.py")
-    rundir.write_private(cell_file, source.text.encode("utf-8"))
+    if write_source:
+        rundir.write_private(cell_file, source.text.encode("utf-8"))
     tree = source.parse(cell_file)  # a SyntaxError names cell.py and the editor's line
     user_ns = shell.user_ns
     hidden = getattr(shell, "user_ns_hidden", {})
@@ -141,6 +148,15 @@ def write_cell(shell, args, options, engine, source, run_id, run_dir, push, pull
         write_pushed(os.path.join(run_dir, PUSH_FILE), values)
         job.pushed = sorted(values)
     return job
+
+
+def write_cell_record(job: CellJob) -> None:
+    """``cell.py``, the record of a cell already sent with its source: a failure to write it (a
+    full disk) costs the record, not the cell, which runs meanwhile."""
+    try:
+        rundir.write_private(job.cell_file, job.source_text.encode("utf-8"))
+    except OSError as exc:
+        log.warning("nbdist: could not keep the cell's source in %s (%s)", job.cell_file, exc)
 
 
 def write_pushed(path: str, values: dict) -> None:

@@ -208,7 +208,7 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     Notebook variables the cell reads travel as for a one-shot cell, except names that earlier
     cells defined on the ranks: the ranks' own value wins there (``--push`` still sends it).
     """
-    from nbdist.frontend.cell_job import split_names, world_options, write_cell
+    from nbdist.frontend.cell_job import split_names, world_options, write_cell, write_cell_record
 
     _check_same_world(session, args)
     ranks = _parse_ranks(args.ranks)
@@ -228,7 +228,7 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     cell_dir = inc.new_cell_dir()
     try:
         job = write_cell(shell, args, options, None, CellSource(line, cell), f"{inc.session_id}", cell_dir, push,
-                         pull, on_ranks=inc.defined_names)
+                         pull, on_ranks=inc.defined_names, write_source=False)
         payload, sent = rundir.pack_payload(run_cell, (job.cell_file, bool(job.pushed), job.modules, job.pull,
                                                       job.source_text), {}, sources_held=inc.sources_held)
         handle = inc.start_cell(cell_dir, targets, payload, args.timeout,
@@ -237,6 +237,7 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     except BaseException:
         rundir.discard_run_dir(cell_dir)
         raise
+    write_cell_record(job)  # the ranks have the source already: its record is not on their way
     inc.note_sources_sent(targets, sent)
     inc.defined_names |= find_defined_names(job.tree)
     shell.user_ns["_dist"] = handle
