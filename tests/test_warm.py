@@ -80,6 +80,44 @@ def test_preload_that_initialises_cuda_is_refused_in_one_line_and_launches_spawn
         KEPT_TEMPLATES.discard(template.pid)
 
 
+def test_staleness_is_checked_by_file_for_the_user_s_code_and_by_folder_for_installed_code(tmp_path, monkeypatch):
+    """Installed code is watched by its folders (an installer adds, replaces or removes files), the
+    user's own files one by one (saving one changes it): a fork request costs a stat per folder of
+    torch, not per file."""
+    from nbdist.warmstart import template
+
+    site, mine = tmp_path / "site", tmp_path / "mine"
+    (site / "libpkg").mkdir(parents=True)
+    mine.mkdir()
+    (site / "libpkg" / "__init__.py").write_text("")
+    (site / "libpkg" / "core.py").write_text("A = 1\n")
+    (mine / "usermod.py").write_text("B = 1\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(mine))
+    installed_roots = template._installed_roots
+    monkeypatch.setattr(template, "_installed_roots", lambda: (os.path.join(str(site), ""),))
+    for name in ("libpkg", "libpkg.core", "usermod"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import libpkg.core  # noqa: F401
+    import usermod  # noqa: F401
+
+    def later(path):
+        os.utime(path, (time.time() + 5,) * 2)
+
+    files = template._module_files()
+    assert str(site / "libpkg") in files and str(site / "libpkg" / "core.py") not in files
+    assert str(mine / "usermod.py") in files and template.find_refusal(files) is None
+    later(mine / "usermod.py")
+    assert "module 'usermod' changed on disk" in template.find_refusal(files)
+    files = template._module_files()
+    (site / "libpkg" / "core.py").rename(site / "libpkg" / "core.py.old")  # an installer replacing it
+    (site / "libpkg" / "core.py").write_text("A = 2\n")
+    assert "module 'libpkg' changed on disk" in template.find_refusal(files) and str(site / "libpkg") in \
+        template.find_refusal(files)
+    monkeypatch.setattr(template, "_installed_roots", installed_roots)  # this process's real site-packages
+    assert len(template._module_files()) < len(sys.modules) / 2, "installed modules share their folders' stats"
+
+
 def test_a_module_changed_on_disk_is_not_served_stale(own_template, tmp_path, monkeypatch, capfd):
     module = tmp_path / "preloaded_mod.py"
     module.write_text("VALUE = 1\n")
