@@ -196,16 +196,23 @@ def hold_gpu_memory(mib):
 
 
 class LoadsSlowly:
-    """An argument whose unpickling on the rank takes ``seconds`` (before the function's code
-    begins) and gives ``value``."""
+    """An argument whose unpickling on the rank (``on_rank``: that one only) takes ``seconds``,
+    before the function's code begins, and gives ``value``."""
 
-    def __init__(self, seconds, value):
-        self.seconds, self.value = seconds, value
+    def __init__(self, seconds, value, on_rank=None):
+        self.seconds, self.value, self.on_rank = seconds, value, on_rank
 
     def __reduce__(self):
-        return _slept, (self.seconds, self.value)
+        return _slept, (self.seconds, self.value, self.on_rank)
 
 
-def _slept(seconds, value):
-    time.sleep(seconds)
+def _slept(seconds, value, on_rank=None):
+    if on_rank is None or int(os.environ.get("RANK", "0")) == on_rank:
+        time.sleep(seconds)
     return value
+
+
+def raise_on_0_else_spin(seconds):
+    if dist.get_rank() == 0:
+        raise ValueError("bad shard on rank 0")
+    spin(seconds)

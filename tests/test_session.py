@@ -133,6 +133,17 @@ def test_a_stop_that_comes_before_the_cell_begins_stops_it_as_it_begins(session)
     assert session.run(rankfns.rank_sum) == {0: 3.0, 1: 3.0}, "the next cell runs as usual"
 
 
+def test_a_rank_failing_at_once_stops_a_peer_that_had_not_begun(session):
+    """Rank 0 raises in its first millisecond while rank 1 still reads the cell: rank 1 stops the
+    cell as it begins. Before, the stop its peer's failure sent was dropped, rank 1 ran its loop on,
+    and the session was lost ("could not be brought back"), the state with it."""
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailedError, match="rank 0 failed first") as info:
+        session.run(rankfns.raise_on_0_else_spin, rankfns.LoadsSlowly(1.0, 120, on_rank=1), timeout=60)
+    assert time.monotonic() - t0 < 5.0 and session.status == "idle", str(info.value)
+    assert session.run(rankfns.rank_sum) == {0: 3.0, 1: 3.0}
+
+
 ALL_REDUCE = "t = torch.ones(1) * (dist.get_rank() + 1)\ndist.all_reduce(t)\nt.item()"
 
 
