@@ -46,7 +46,7 @@ class CellLevel:
             cell_file = os.path.join(cell_dir, "cell.py")
             text = code if code.endswith("\n") else code + "\n"
             ast.parse(text, filename=cell_file)  # a SyntaxError names the line before anything runs
-            rundir.write_private(cell_file, text.encode("utf-8"))  # tracebacks show the code's own lines
+            rundir.write_private(cell_file, text.encode("utf-8"))  # the record: the ranks get the text with the cell
             return rundir.pack_payload(run_cell, (cell_file, False, {}, [], text), {}, sources_held=held)
 
         cell = self._submit(pack, ranks, timeout, check_collectives)
