@@ -86,13 +86,15 @@ def discard_data(run_dir: str, ranks=None) -> int:
 
 
 def mark_ended(run_dir: str, status: str) -> None:
-    """Record that the run ended, how, and its size then: pruning may take its dir once it is old,
-    and reads this one small file instead of walking the dir (an ended run only shrinks)."""
+    """Record that the run ended, and how: pruning may take its dir once it is old (and adds the
+    dir's size to this record the first time it walks it, off the run's way out)."""
+    _write_ended(run_dir, {"status": status, "time": time.time()})
+
+
+def _write_ended(run_dir: str, record: dict) -> None:
     from nbdist.protocol.rundir import write_private
 
     try:
-        size, _ = _measure(run_dir)
-        record = {"status": status, "time": time.time(), "size": size}
         write_private(os.path.join(run_dir, ENDED_FILE), json.dumps(record).encode())
     except OSError:  # the run dir is gone or read-only: nothing to keep track of
         pass
@@ -154,12 +156,15 @@ def _ended(path: str) -> str | None:
 
 
 def _look_at(path: str) -> _RunDir:
-    """An ended run by the record it left (one small file); any other by walking it."""
+    """An ended run by the record it left (one small file); any other by walking it. An ended run
+    only shrinks: the first walk of one adds its size to its record, and no prune walks it again."""
     record = _read_ended(path)
     size, when = (record or {}).get("size"), (record or {}).get("time")
     if isinstance(size, int) and isinstance(when, (int, float)):
         return _RunDir(path, size, float(when), str(record.get("status", "ended")))
     size, newest = _measure(path)
+    if record is not None and isinstance(when, (int, float)):
+        _write_ended(path, {**record, "size": size})
     return _RunDir(path, size, newest, _ended(path))
 
 
