@@ -8,6 +8,7 @@ a screenshot under ``.artifacts/screenshots``.
 from __future__ import annotations
 
 import os
+import re
 
 import conftest
 import nbformat
@@ -244,18 +245,24 @@ def test_pdb_commands_typed_into_the_stdin_box_reach_the_rank(notebook):
     nb.wait_done(1)
     nb.run(2)
     out = nb.output(2)
+    # An answered box stays in the page for 500 ms (JupyterLab hides, then disposes it) and ignores
+    # keys: typing into it would lose the command. Only a box not yet answered takes one.
+    open_box = ".jp-OutputArea-stdin-item:not(.jp-OutputArea-stdin-hiding) > .jp-Stdin"
+
     def type_into_box(command):
-        box = out.locator(".jp-Stdin-input").last  # answered boxes stay as text above it
-        box.wait_for(timeout=60_000)
-        wait_for(lambda: "(Pdb rank 1)" in out.locator(".jp-Stdin").last.inner_text(), 30, interval=0.2,
-                 what="the rank's prompt in the stdin box")
+        stdin = out.locator(open_box).last
+        stdin.wait_for(timeout=60_000)
+        wait_for(lambda: "(Pdb rank 1)" in stdin.inner_text(), 30, interval=0.2, what="the rank's prompt in the stdin box")
+        box = stdin.locator(".jp-Stdin-input").element_handle()
         box.fill(command)
-        nb.shot(f"typed-{command.replace(' ', '-').replace('=', 'eq')}")
+        nb.shot("typed-" + re.sub(r"\W+", "-", command.replace("=", "eq")))
         box.press("Enter")
+        nb.page.wait_for_function("el => el.closest('.jp-OutputArea-stdin-hiding') !== null || !el.isConnected",
+                                  arg=box, timeout=10_000)  # this box took the line
 
     type_into_box("p x")
     out.get_by_text("10", exact=True).first.wait_for(timeout=30_000)
-    type_into_box("x = 42")
+    type_into_box("import time; time.sleep(0.4); x = 42")  # its prompt comes while the answered box still shows
     type_into_box("c")
     nb.wait_done(2, timeout=60)
     out.get_by_text("went on 1 42").first.wait_for(timeout=30_000)
