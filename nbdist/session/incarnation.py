@@ -29,7 +29,6 @@ import contextlib
 import logging
 import os
 import secrets
-import socket
 import threading
 import time
 from multiprocessing.connection import wait
@@ -39,12 +38,12 @@ from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import INLINE_PAYLOAD_MAX, SESSION_KEY_FILE
 from nbdist.run.events import TERMINAL, OutputChunk, RunEvent
+from nbdist.session.bring_up import bring_up
 from nbdist.session.cell_handle import CellHandle
-from nbdist.session.peers import link_kernels, tell_world_gone
+from nbdist.session.peers import tell_world_gone
 from nbdist.session.rank_channel import RankListener
 from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
                                      interrupt_ranks, recover, release_if_asked, stop_cell)
-from nbdist.worker.session_loop import serve_session
 
 __all__ = ["Incarnation", "default_start_timeout", "ENDED"]
 
@@ -116,7 +115,7 @@ class Incarnation:
         self.launched = threading.Event()
         # Starting processes takes a while with spawn: the constructor returns at once, and a cell
         # sent meanwhile waits for the ranks.
-        threading.Thread(target=self._bring_up, args=(engine,), name=f"nbdist-session-{self.session_id}",
+        threading.Thread(target=bring_up, args=(self, engine), name=f"nbdist-session-{self.session_id}",
                          daemon=True).start()
 
     def __repr__(self) -> str:
@@ -126,79 +125,8 @@ class Incarnation:
     def ended(self) -> bool:
         return self.status in ENDED
 
-    # ---- coming up ---------------------------------------------------------------------------
-    def _bring_up(self, engine) -> None:
-        from nbdist.run.start import start_run
-
-        if self.options.nnodes > 1:  # the link to the other kernels needs torch here: import it meanwhile
-            threading.Thread(target=__import__, args=("torch.distributed",), daemon=True).start()
-        try:
-            self.rank_run = start_run(serve_session, (self.run_dir, self.address), {}, self.options,
-                                      launcher=engine, run_id=self.session_id, run_dir=self.run_dir,
-                                      reformable=True)
-        except BaseException as exc:  # start-or-close already stopped what it started
-            with self.lock:
-                self.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
-                if self.status != "closed":
-                    self.status = "broken"
-            self.listener.close()
-            self.ready.set()
-            return
-        finally:
-            self.launched.set()
-        self.rank_run.subscribe(self._on_run_event)  # replayed: a run that ended already is seen too
-        self._accept_ranks()
-
-    def _expected_ranks(self) -> set[int]:
-        return {self.rank_run.global_rank(r) for r in self.rank_run.ranks}
-
-    def _accept_ranks(self) -> None:
-        """Take each rank's authenticated hello until all are in or the start deadline passes."""
-        here = socket.gethostname()
-
-        def on_hello(hello) -> None:
-            self.conns[hello.rank], self.pids[hello.rank] = hello.conn, hello.pid
-            if hello.host != here:  # a pid of another machine: never one to signal here
-                self.remote.add(hello.rank)
-
-        deadline = self.started_at + self.start_timeout
-        arrived = self.listener.accept_all(self.nprocs, deadline, on_hello, lambda: self.status == "starting")
-        self.listener.close()  # nothing more may connect
-        missing = sorted(self._expected_ranks() - arrived)
-        with self.lock:
-            up = self.status == "starting" and not missing
-            if up:
-                self.status = "idle"
-                self.ready_after = time.monotonic() - self.started_at
-                if self.options.nnodes > 1:  # only now: the world formed, the store there is this world's
-                    self.world = link_kernels(self, self.engine)
-        if self.status == "starting" and missing:
-            self._give_up_start(missing)
-            return
-        self.ready.set()
-        if up:
-            self._read_replies()
-
-    def _give_up_start(self, missing: list[int]) -> None:
-        """The start deadline passed: say which ranks never connected and where they were, then stop."""
-        from nbdist.run.stacks import dump_stacks
-
-        pids = {r: p for r, p in self.rank_run.local_pids().items() if r in missing}
-        dumps = dump_stacks({r: (pid, rundir.log_path(self.run_dir, r, "stderr")) for r, pid in pids.items()},
-                            timeout=2.0)
-        where: dict[str, list[int]] = {}
-        for rank in missing:
-            dump = dumps.get(rank)
-            said = dump.where if dump else ("had not registered" if rank not in self.rank_run.pids else
-                                            "left no stack" if rank in pids else "runs on another machine")
-            where.setdefault(said, []).append(rank)
-        places = "; ".join(f"{format_rank_set(ranks)} {said}" for said, ranks in where.items())
-        self.lose(f"the session could not start within {self.start_timeout:g} s: {format_rank_set(missing)} never connected "
-                  f"to the kernel ({places}; stacks in the rank logs under {self.run_dir}); on a busy machine give "
-                  f"more time with start_timeout= (%dist_start --start-timeout)")
-
     # ---- replies -----------------------------------------------------------------------------
-    def _read_replies(self) -> None:
+    def read_replies(self) -> None:
         """The ranks' answers; no polling: blocks until one writes or goes away. Whatever one
         reply does, the reader goes on (or ends the incarnation, saying why): a cell never hangs."""
         conns = {id(c): r for r, c in self.conns.items()}
@@ -269,7 +197,7 @@ class Incarnation:
             self.recovering = None
         cell.finish()
 
-    def _on_run_event(self, event) -> None:
+    def on_run_event(self, event) -> None:
         """The ranks' run ended by itself (a rank died, and the run took the whole tree down)."""
         if isinstance(event, OutputChunk):
             cell = self.active
@@ -305,7 +233,7 @@ class Incarnation:
         tell_world_gone(self, "was stopped (a rank could not be brought back; its kernel says which)")
         self.launched.wait(60)
         if self.rank_run is not None:
-            self.rank_run.kill()  # -> _on_run_event: broken, the active cell lost
+            self.rank_run.kill()  # -> on_run_event: broken, the active cell lost
         else:
             with self.lock:
                 self.status = "broken"
