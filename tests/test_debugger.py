@@ -3,6 +3,9 @@ answers stdin as a notebook does (jupyter_client's ``input_request``)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
 import time
 
 import pytest
@@ -104,3 +107,79 @@ def test_a_one_shot_cell_says_the_debugger_needs_a_session(kernel):
     assert res.status == "ok", res.error_text
     said = res.stdout + res.stderr
     assert "breakpoint() at cell.py:2 skipped: the debugger needs a session's ranks" in said and "went on" in said
+
+
+def _last_listing(out: str) -> list[str]:
+    """The lines of the last ``ranks`` listing (``  rank N: where``, N rising; two listings may
+    follow each other with nothing between)."""
+    blocks: list[list[str]] = []
+    previous = None
+    for line in out.splitlines():
+        rank = line[7:].split(":")[0] if line.startswith("  rank ") else ""
+        if not rank.isdigit():
+            previous = None
+            continue
+        if previous is None or int(rank) <= previous:
+            blocks.append([])
+        blocks[-1].append(line)
+        previous = int(rank)
+    return blocks[-1] if blocks else []
+
+
+def test_eight_ranks_stopped_at_once_are_listed_debugged_one_by_one_and_let_go_together(lab_kernel):
+    """At 8 ranks, every one in pdb at the same time: ``ranks`` lists them as they arrive, ``rank 7``
+    talks to the last, what it changes stays, and ``all c`` lets all 8 go on at once."""
+    k = lab_kernel
+    assert k.run("%dist_start -n 8").status == "ok"
+    try:
+        def answer(prompt, res):
+            # Each rank reaches its breakpoint in its own time: ask again until all 8 are listed.
+            if len(_last_listing(res.stdout)) < 8 and len(res.prompts) < 60:
+                time.sleep(0.2)
+                return "ranks"
+            done = [a for _, a in res.prompts if a != "ranks"]
+            return ["rank 7", "p rank", "mark = 'set in pdb'", "all c"][len(done)]
+
+        res = k.run("%%distributed --view text\nimport torch.distributed as dist\nrank = dist.get_rank()\n"
+                    "mark = 'plain'\nbreakpoint()\nprint('went on', rank, mark)", answers=answer, timeout=120)
+        assert res.status == "ok", res.error_text
+        asked = [a for _, a in res.prompts if a != "ranks"]
+        assert asked == ["rank 7", "p rank", "mark = 'set in pdb'", "all c"], res.prompts
+        listing = _last_listing(res.stdout)
+        assert [line.split(":")[0].strip() for line in listing] == [f"rank {r}" for r in range(8)], res.stdout
+        assert all("cell.py:6 in <module>" in line for line in listing), listing  # pdb stops on the next line
+        assert [p for p, a in res.prompts if a in ("p rank", "mark = 'set in pdb'")] == ["(Pdb rank 7) "] * 2
+        assert "\n7\n" in res.stdout, res.stdout
+        assert "[rank 7] went on 7 set in pdb" in res.stdout, res.stdout
+        assert all(f"[rank {r}] went on {r} plain" in res.stdout for r in range(7)), res.stdout
+        assert res.stdout.count("nbdist: rank 7 stopped at") == 1, "said once: p and = don't move rank 7"
+        assert k.run("%%distributed --view text --ranks 7\nmark").result == "'set in pdb'"
+    finally:
+        k.run("%dist_stop")
+
+
+@pytest.mark.parametrize("engine", ["torchrun", "mpirun", "srun"])
+def test_a_breakpoint_under_each_engine_takes_commands_from_the_notebook(lab_kernel, engine, request):
+    """Ranks started by torchrun, mpirun or srun stop in pdb as spawned ones do: the prompt and the
+    commands travel the rank's channel to the kernel, whatever started the rank."""
+    k = lab_kernel
+    extra = ""
+    if engine == "mpirun" and not (shutil.which("mpiexec", path=os.path.dirname(sys.executable))
+                                   or shutil.which("mpiexec")):
+        pytest.skip("mpiexec not installed (pip install mpi4py mpich)")
+    if engine == "srun":
+        cluster = request.getfixturevalue("slurm_cluster")
+        # The kernel was started before this test: point its srun at the test's Slurm.
+        assert k.run(f"import os; os.environ['SLURM_CONF'] = {cluster.env['SLURM_CONF']!r}").status == "ok"
+        extra = " --launcher-args '--overcommit'"  # 2 tasks on the CI box's CPUs
+    assert k.run(f"%dist_start -n 2 --launcher {engine}{extra}").status == "ok"
+    try:
+        res = k.run("%%distributed --view text\nimport torch.distributed as dist\nrank = dist.get_rank()\n"
+                    "if rank == 1:\n    breakpoint()\nprint('went on', rank, rank * 10)",
+                    answers=["p rank", "rank = 5", "c"], timeout=180)
+        assert res.status == "ok", res.error_text + res.stdout
+        assert [p for p, _ in res.prompts] == ["(Pdb rank 1) "] * 3
+        assert "\n1\n" in res.stdout, res.stdout
+        assert "[rank 1] went on 5 50" in res.stdout and "[rank 0] went on 0 0" in res.stdout, res.stdout
+    finally:
+        k.run("%dist_stop")

@@ -31,6 +31,7 @@ def answer_debug_prompts(cell, ask=None, before_prompt=lambda: None) -> None:
     ``before_prompt`` runs before each prompt (the view draws its badges)."""
     ask = ask or builtins.input
     current, told = None, set()
+    placed = None  # the (rank, where) the last "stopped at" line named
     while True:
         with cell.debug_changed:
             paused = dict(cell.paused)
@@ -44,8 +45,11 @@ def answer_debug_prompts(cell, ask=None, before_prompt=lambda: None) -> None:
         stop = paused[current]
         if stop.number not in told:  # each prompt's output once, however often the user switches
             told.add(stop.number)
-            if len(paused) > 1 or current != min(paused):
+            # Which rank speaks, where several are stopped: said when it changes (a switch, or a
+            # step that moved it), not after every command typed to the same rank.
+            if (len(paused) > 1 or current != min(paused)) and placed != (current, stop.where):
                 print(f"nbdist: rank {current} stopped at {stop.where}")
+                placed = (current, stop.where)
             _show(stop.text)
         before_prompt()
         try:
