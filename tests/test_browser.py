@@ -51,6 +51,18 @@ def notebook(lab):
         nb.close()
 
 
+def wait_for_tab_labels(out, expected: list[str]) -> None:
+    """The cell's tabs read ``expected``. The prompt's number can show before the page has drawn
+    the view's last update (another channel of the kernel's), so the labels are waited for."""
+    def labels():
+        return [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
+
+    try:
+        wait_for(lambda: labels() == expected, 10, interval=0.2, what=f"the tabs {expected}")
+    except AssertionError:
+        raise AssertionError(f"the tabs read {labels()}, not {expected}") from None
+
+
 def test_tabs_per_rank_and_badges_turn_finished(notebook):
     nb = notebook("tabs", "%%distributed --nprocs 2 --view widget\nimport os\n"
                           "print(f\"hello from rank {os.environ['RANK']}\")")
@@ -58,8 +70,7 @@ def test_tabs_per_rank_and_badges_turn_finished(notebook):
     out = nb.output(1)
     out.locator(".lm-TabBar-tab", has_text="rank 1").wait_for(timeout=60_000)
     nb.wait_done(1)
-    labels = [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
-    assert labels == ["all", "✓ rank 0", "✓ rank 1"], labels
+    wait_for_tab_labels(out, ["all", "✓ rank 0", "✓ rank 1"])
     nb.shot("all-tab")
     out.locator(".lm-TabBar-tab", has_text="rank 1").click()
     panel = out.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)")
@@ -91,8 +102,7 @@ def test_kill_button_stops_ranks_and_dataloader_workers(notebook, tmp_path):
     nb.wait_done(1, timeout=30)
     wait_for(lambda: not marked_pids(), 10, what="nothing left after Kill")
     out.get_by_text("killed: 2 ranks and 4 child processes stopped").first.wait_for(timeout=10_000)
-    labels = [t.strip() for t in out.locator(".lm-TabBar-tab").all_inner_texts()]
-    assert labels == ["all", "■ rank 0", "■ rank 1"], labels
+    wait_for_tab_labels(out, ["all", "■ rank 0", "■ rank 1"])
     # The run is over: the button goes (no "Killing…" left on screen), the header says how it ended.
     wait_for(lambda: out.get_by_role("button", name="Kill").count() == 0, 10, what="the Kill button to go")
     out.get_by_text("killed (2 killed)").first.wait_for(timeout=10_000)
@@ -109,6 +119,8 @@ def test_tqdm_bar_is_one_line(notebook):
     out = nb.output(1)
     out.locator(".lm-TabBar-tab", has_text="rank 0").click()
     panel = out.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)")
+    # The bar's last state may be drawn a moment after the prompt's number shows.
+    panel.locator(".jp-OutputArea").first.get_by_text("60/60").wait_for(timeout=10_000)
     text = panel.locator(".jp-OutputArea").first.inner_text()
     bars = [line for line in text.splitlines() if "epoch" in line]
     assert len(bars) == 1 and "60/60" in bars[0], text
