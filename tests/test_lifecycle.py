@@ -290,7 +290,7 @@ def test_pruning_keeps_live_recent_and_failed_runs_and_drops_the_rest(tmp_path):
                                      f'"parent_pid": {owner or dead.pid}, "created": {created}}}')
         (d / "rank0.stderr").write_bytes(b"x" * size)
         if status:
-            (d / "ended.json").write_text(f'{{"status": "{status}", "time": {now}}}')
+            (d / "ended.json").write_text(f'{{"status": "{status}", "time": {now - age_days * 86400}}}')
         for f in d.iterdir():
             os.utime(f, (now - age_days * 86400,) * 2)
         os.utime(d, (now - age_days * 86400,) * 2)

@@ -143,10 +143,9 @@ def _read_ended(path: str) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _ended(path: str) -> str | None:
+def _ended(path: str, record: dict | None) -> str | None:
     from nbdist.run.processes import find_owner
 
-    record = _read_ended(path)
     if record is not None:
         return str(record.get("status", "ended"))
     owner = find_owner(path)
@@ -159,13 +158,15 @@ def _look_at(path: str) -> _RunDir:
     """An ended run by the record it left (one small file); any other by walking it. An ended run
     only shrinks: the first walk of one adds its size to its record, and no prune walks it again."""
     record = _read_ended(path)
-    size, when = (record or {}).get("size"), (record or {}).get("time")
-    if isinstance(size, int) and isinstance(when, (int, float)):
-        return _RunDir(path, size, float(when), str(record.get("status", "ended")))
-    size, newest = _measure(path)
-    if record is not None and isinstance(when, (int, float)):
+    when = (record or {}).get("time")
+    if not isinstance(when, (int, float)):  # no record: it lives, or its kernel died without ending it
+        size, newest = _measure(path)
+        return _RunDir(path, size, newest, _ended(path, record))
+    size = record.get("size")
+    if not isinstance(size, int):
+        size = _measure(path)[0]
         _write_ended(path, {**record, "size": size})
-    return _RunDir(path, size, newest, _ended(path))
+    return _RunDir(path, size, float(when), str(record.get("status", "ended")))
 
 
 def _busy_run_dirs() -> set[str]:
