@@ -13,8 +13,9 @@ baseline. Then, in the nbdist kernel, the stop button on a busy session cell (ti
 are idle, state kept), the stop button while a rank waits in DDP's gradient all-reduce for a peer
 that sleeps (released, the group re-formed in place), a rank that raises while its peers wait in a
 collective (time until the error shows), what the re-formable group's forwarding costs per
-collective, and the CPU that an idle session's ranks use. Prints medians and ratios; it asserts
-nothing (goals, not tests).
+collective, and the CPU that an idle session's ranks use; and what ``%autoreload`` costs a session
+cell whose ranks imported 200 modules of the user's (``--autoreload-only`` measures that alone, without
+ipyparallel). Prints medians and ratios; it asserts nothing (goals, not tests).
 
 Why two kernels: in one kernel each system's cells paid for the other's leftover work (ipyparallel's
 client thread still taking the engines' replies when the next cell began holds that kernel's GIL),
@@ -70,6 +71,50 @@ def _rounds(k, cells: dict, times: dict, first: int, count: int) -> None:
                 times[name].append(took)
 
 
+def _autoreload_cost(k, n: int, repeat: int, modules: int = 200) -> dict:
+    """``%dist_autoreload`` on and off, paired cell by cell, in the live session of kernel ``k`` whose
+    ranks imported ``modules`` modules of the user's; and the rank-side check alone, timed on the ranks."""
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="nbdist-bench-autoreload-")
+    for i in range(modules):
+        with open(os.path.join(where, f"bench_user_mod_{i}.py"), "w") as fh:
+            fh.write(f"def f():\n    return {i}\n\nclass C:\n    def m(self):\n        return {i}\n")
+    res = k.run(f"%%distributed --view text\nimport sys, importlib\nsys.path.insert(0, {where!r})\n"
+                f"for _i in range({modules}):\n    importlib.import_module(f'bench_user_mod_{{_i}}')")
+    assert res.status == "ok", res.error_text
+    # On rank 0 alone (the others idle): the check before a cell (a stat per watched module), and the
+    # scan after a cell that imported something. In a cell, every rank checks at once.
+    res = k.run("%%distributed --view text --ranks 0\nimport time as _t\nfrom nbdist.worker import autoreload as _ar\n"
+                "from nbdist.protocol.session_channel import Autoreload as _A\n_rule = _A()\n"
+                "def _per(fn, m=500):\n    t0 = _t.perf_counter()\n    for _ in range(m):\n        fn()\n"
+                "    return (_t.perf_counter() - t0) / m\n"
+                "def _scan():\n    _ar._COUNT = -1\n    _ar.track()\n"
+                "(len(_ar.watched()), len(sys.modules), _per(lambda: _ar.reload_changed(_rule)), _per(_scan, 100))")
+    assert res.status == "ok", res.error_text
+    watched, in_sys, check, scan = eval(res.result)
+    on_off = {"on": [], "off": []}
+    for i in range(repeat):
+        for state in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            assert k.run(f"%dist_autoreload {state}").status == "ok"
+            on_off[state].extend(_times(k, "%%distributed\nx = 1", 1))
+    k.run("%dist_autoreload kernel")
+    return {"watched": watched, "sys_modules": in_sys, "check": check, "scan": scan, **on_off}
+
+
+def _print_autoreload(n: int, cost: dict) -> None:
+    med, ms = statistics.median, 1e3
+    on, off = cost["on"], cost["off"]
+    paired = [a - b for a, b in zip(on, off)]
+    print(f"  %autoreload, {cost['watched']} user modules watched of {cost['sys_modules']} in sys.modules, "
+          f"rank 0 alone:")
+    print(f"    check before a cell (a stat each)         {cost['check'] * 1e6:7.1f} us")
+    print(f"    scan of sys.modules after a cell that imported something {cost['scan'] * 1e6:.1f} us "
+          f"(nothing imported: a len())")
+    print(f"    session cell 'x = 1', {n} ranks, on / off  {med(on) * ms:7.1f} / {med(off) * ms:.1f} ms, paired "
+          f"difference {med(paired) * ms:+.2f} ms (median of {len(paired)}; goal <= 1 ms)")
+
+
 def main() -> None:
     import psutil
     from kernel_client import Kernel
@@ -77,9 +122,23 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--nprocs", type=int, default=4)
+    parser.add_argument("--autoreload-only", action="store_true", help="only what %%autoreload costs a session cell")
     args = parser.parse_args()
     n, r, med = args.nprocs, args.repeat, statistics.median
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.autoreload_only:
+        k = Kernel(env=env)
+        try:
+            assert k.run("%load_ext nbdist").status == "ok"
+            k.run("import nbdist.warmstart.handle\nnbdist.warmstart.handle.current_template().wait_ready(120)")
+            assert k.run(f"%dist_start -n {n}").status == "ok"
+            k.run("from nbdist.frontend.session_magics import live_session\nlive_session().wait_ready(120)")
+            cost = _autoreload_cost(k, n, r)
+            k.run("%dist_stop")
+        finally:
+            k.shutdown()
+        _print_autoreload(n, cost)
+        return
     k, kp = Kernel(env=env), Kernel(env=env)  # nbdist's kernel, ipyparallel's kernel
     try:
         assert k.run("%load_ext nbdist").status == "ok"
@@ -159,6 +218,7 @@ def main() -> None:
         before = [sum(p.cpu_times()[:2]) for p in procs]
         time.sleep(5.0)
         idle_cpu = sum(sum(p.cpu_times()[:2]) - b for p, b in zip(procs, before))
+        autoreload = _autoreload_cost(k, n, r)
         k.run("%dist_stop")
 
     finally:
@@ -186,6 +246,7 @@ def main() -> None:
     print(f"  all_reduce of 16 floats, rank 0: {outer * 1e6:.1f} us through the session's group, "
           f"{inner * 1e6:.1f} us on its inner gloo group (forwarding +{(outer - inner) * 1e6:.1f} us)")
     print(f"  idle session: {idle_cpu:.3f} CPU-seconds over 5 s for {n} ranks")
+    _print_autoreload(n, autoreload)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,16 @@ _PLACED_ELSEWHERE = ("mpirun", "srun")
 
 
 def default_nprocs() -> int:
-    """The number of GPUs, or 2 on a machine without one. Never initialises CUDA (fork stays safe)."""
+    """The number of GPUs, or 2 on a machine without one. Never initialises CUDA (fork stays safe).
+
+    A kernel that hasn't imported torch asks its store host, which counted them: the kernel stays
+    without torch (:mod:`nbdist.launchers.store_host`).
+    """
+    from nbdist.launchers.store_host import cuda_device_count
+
+    counted = cuda_device_count()
+    if counted is not None:
+        return counted if counted > 0 else 2
     try:
         import torch
 

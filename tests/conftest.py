@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRACE_S = 5.0
 # Roots of long-lived helper trees (the test browser) whose processes come and go with pages.
 IGNORED_TREES: set[int] = set()
-# Warm templates that a fixture keeps across tests (this process's, a module kernel's). Only the
-# template itself is exempt: the ranks it forks are checked like any other, by tree and marker.
+# Warm templates and store hosts that a fixture keeps across tests (this process's, a module kernel's).
+# Only the helper itself is exempt: the ranks a template forks are checked like any other, by tree and marker.
 KEPT_TEMPLATES: set[int] = set()
 
 
@@ -57,7 +57,7 @@ def _leftovers(before: set[int]) -> dict[int, str]:
     # multiprocessing's resource tracker is a helper of the process that launches (this one, or
     # a test kernel), started once and kept for that process's life. nbdist starts it before the
     # marked window, so it carries no marker; a tracker *with* a marker is still reported below.
-    ignore = before | {_tracker_pid()} | KEPT_TEMPLATES
+    ignore = before | {_tracker_pid()} | KEPT_TEMPLATES | _own_store_host()
     left = {}
     for pid in live_descendants() - ignore:
         try:
@@ -69,6 +69,13 @@ def _leftovers(before: set[int]) -> dict[int, str]:
     for m in find_marked_leftovers():
         left[m.pid] = f"[marked {m.run_id}] {m.cmdline[:100]}"
     return left
+
+
+def _own_store_host() -> set[int]:
+    """This process's store host (started at the first loopback run here, kept for the process's life)."""
+    hosts = sys.modules.get("nbdist.launchers.store_host")
+    host = hosts.current_store_host() if hosts is not None else None
+    return {host.pid} if host is not None and host.proc.poll() is None else set()
 
 
 def find_marked_leftovers(run_id=None):
@@ -242,23 +249,43 @@ def start_method(request, monkeypatch):
 @contextlib.contextmanager
 def nbdist_kernel(start_method: str):
     """A real IPython kernel with nbdist loaded, its launches made by ``start_method``; its warm
-    template is kept while the kernel lives, and must end with it."""
+    template and store host are kept while the kernel lives, and must end with it."""
     from kernel_client import Kernel
 
     k = Kernel(env=dict(os.environ, OMP_NUM_THREADS="1", NBDIST_START_METHOD=start_method))
     k.start_method = start_method
+    helpers = []
     try:
         assert k.run("%load_ext nbdist").status == "ok"
         template = int(k.run("import nbdist.warmstart.handle\nnbdist.warmstart.handle.current_template().pid").result)
+        helpers.append(template)
         KEPT_TEMPLATES.add(template)
+        store_host = kernel_store_host(k)
+        if store_host is not None:
+            helpers.append(store_host)
+            KEPT_TEMPLATES.add(store_host)
         if start_method == "warm":
             k.run("nbdist.warmstart.handle.current_template().wait_ready(120)")
         yield k
     finally:
         k.shutdown()
-    wait_for(lambda: not psutil.pid_exists(template) or psutil.Process(template).status() == psutil.STATUS_ZOMBIE,
-             5, what="the kernel's warm template to end with it")
-    KEPT_TEMPLATES.discard(template)
+    wait_for(lambda: all(gone(pid) for pid in helpers), 5, what="the kernel's warm template and store host to end with it")
+    KEPT_TEMPLATES.difference_update(helpers)
+
+
+def kernel_store_host(k) -> int | None:
+    """The pid of kernel ``k``'s store host, or None."""
+    out = k.run("import nbdist.launchers.store_host as _sh\n_h = _sh.current_store_host()\n"
+                "_h.pid if _h is not None else None").result
+    return int(out) if out not in (None, "None") else None
+
+
+def gone(pid: int) -> bool:
+    """Exited (or a zombie waiting for its parent to reap it)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -188,6 +188,39 @@ def test_cli_ps_and_kill():
         orphan.wait()
 
 
+def test_cli_help_says_what_each_command_lists_and_ends_and_errors_are_one_line():
+    import rankfns
+
+    cli = [sys.executable, "-m", "nbdist.frontend.cli"]
+
+    def call(*words):
+        return subprocess.run([*cli, *words], capture_output=True, text=True, timeout=30)
+
+    kill_help = " ".join(call("kill", "--help").stdout.split())
+    assert "a plain `nbdist kill` ends orphans only: processes whose kernel is gone" in kill_help
+    assert "`%dist_kill` ends that kernel's own runs and the orphans" in kill_help
+    assert "RUN_ID stop this run's processes" in kill_help and "--all also stop the runs and sessions of live" in kill_help
+    ps_help = " ".join(call("ps", "--help").stdout.split())
+    assert "whose it is (this process's, a live kernel's with its pid, or orphaned" in ps_help
+    assert "RUN_ID list only this run's processes" in ps_help
+    for words, rc, line in [(("kill", "20990101-000000-000000"), 1, "no live process carries run id"),
+                            (("kill", "--all", "20990101-000000-000000"), 2, "give a RUN_ID or --all, not both")]:
+        res = call(*words)
+        assert res.returncode == rc and line in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # From a shell a plain kill ends the orphan and leaves a live kernel's (this process's) run alone.
+    run = nbdist.launch(rankfns.hang, nprocs=1, join=False, init_process_group=False)
+    orphan = _orphan("20990101-000000-0c0c0c")
+    try:
+        wait_for(lambda: marked_pids(run.run_id) and marked_pids("20990101-000000-0c0c0c"), 60, what="both up")
+        assert "stopped 1 process" in call("kill").stdout
+        assert orphan.wait(timeout=5) == -signal.SIGTERM
+        assert not run.done and marked_pids(run.run_id), "a live kernel's run stays"
+    finally:
+        run.kill()
+        orphan.kill()
+        orphan.wait()
+
+
 def test_kill_stops_a_live_run_of_this_process():
     import rankfns
 

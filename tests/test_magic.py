@@ -177,6 +177,31 @@ def test_refused_cells_leave_no_run_dir(kernel, tmp_path):
     assert not marked_pids()
 
 
+def test_the_magic_line_is_expanded_in_the_notebooks_namespace_as_ipython_does(kernel):
+    """``{expr}``, ``$name`` and ``$$`` in ``%%distributed``'s line, at run time, as IPython expands any
+    magic line; the awaiting cell's own locals (``line``, ``cell``) are not what ``{...}`` sees."""
+    body = "import os, torch.distributed as dist\nprint('ws', dist.get_world_size(), os.environ['TAG'])"
+    assert kernel.run("N = 2\ncell = 'not-this'\nTAG = 'tagged'").status == "ok"
+    for line in ("-n {N} --env TAG={TAG}", "-n $N --env TAG=$TAG", "-n {N * 1} --env TAG={cell.upper()}"):
+        res = kernel.run(f"%%distributed {line} --view text\n{body}")
+        assert res.status == "ok", (line, res.error_text)
+        want = "NOT-THIS" if "cell" in line else "tagged"
+        assert f"[rank 1] ws 2 {want}" in res.stdout, (line, res.stdout)
+    res = kernel.run(f"%%distributed -n $N --env TAG=a$$b --view text\n{body}")
+    assert res.status == "ok" and "[rank 0] ws 2 a$b" in res.stdout, res.stdout + res.error_text
+    # At run time: the value the name has when the cell runs.
+    assert kernel.run("N = 3").status == "ok"
+    res = kernel.run("%%distributed -n {N} --env TAG=x --view text\n" + body)
+    assert res.status == "ok" and "[rank 2] ws 3 x" in res.stdout, res.stdout + res.error_text
+    # A line that doesn't format is left as it is; the option's parse error names the text.
+    res = kernel.run("%%distributed -n {not_defined_here} --view text\nprint(1)")
+    assert res.status == "error" and res.error["ename"] == "UsageError", res.error_text
+    assert "{not_defined_here}" in res.error["evalue"], res.error["evalue"]
+    # The line magics are expanded by IPython itself: kept so.
+    res = kernel.run("RUN = 'no-such-run-id'\n%dist_logs {RUN}")
+    assert res.status == "error" and "no-such-run-id" in res.error["evalue"], res.error_text
+
+
 @pytest.mark.parametrize(
     "line, message",
     [

@@ -24,9 +24,11 @@ def sort_procs(procs: list[MarkedProcess]) -> list[MarkedProcess]:
 
 
 def describe_template(p: MarkedProcess) -> str:
-    """One line for a warm template: whose it is, its size, and whether it is a leftover."""
+    """One line for a kernel's helper (a warm template, a store host): whose it is, its size, and whether
+    it is a leftover."""
     whose = "this process's" if p.ppid == os.getpid() else f"kernel pid {p.owner.pid if p.owner else p.ppid}"
-    text = f"warm template pid {p.pid} ({whose}, {p.rss / 2**20:.0f} MiB, up {p.age:.0f} s)"
+    what = "store host" if p.is_store_host else "warm template"
+    text = f"{what} pid {p.pid} ({whose}, {p.rss / 2**20:.0f} MiB, up {p.age:.0f} s)"
     if p.orphaned:
         text += f": orphaned, its kernel is gone; `nbdist kill {p.run_id}` ends it"
     return text
@@ -51,20 +53,64 @@ def format_table(procs: list[MarkedProcess]) -> str:
     return "\n".join(lines)
 
 
+_DESCRIPTION = """\
+Find and stop nbdist processes left running: ranks of runs and sessions, and warm templates.
+
+Every nbdist process carries its run's marker in its environment; these commands find processes by
+that marker, never by name, and touch only your own."""
+
+_PS_HELP = """\
+List live nbdist processes of yours: one row per rank or child process, with its run id, rank, pid,
+age, memory, whose it is (this process's, a live kernel's with its pid, or orphaned: its kernel is
+gone) and its command line. Warm templates (the processes ranks are forked from) are listed after
+the table. The last line says how many run dirs (logs) are kept and where."""
+
+_KILL_HELP = """\
+Stop nbdist processes: SIGTERM, then SIGKILL after a few seconds, to each rank's whole process
+tree (DataLoader workers and other children included).
+
+From a shell, a plain `nbdist kill` ends orphans only: processes whose kernel is gone. A live
+kernel's runs and sessions are left alone. (In a notebook, `%dist_kill` ends that kernel's own
+runs and the orphans.) Name a RUN_ID to end that one run, whoever's it is, or give --all."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nbdist", description=_DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{ps,kill}")
+    p_ps = sub.add_parser("ps", help="list live nbdist processes of yours, each saying whose it is",
+                          description=_PS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_ps.add_argument("run_id", nargs="?", default=None, metavar="RUN_ID",
+                      help="list only this run's processes (the ids `nbdist ps` shows)")
+    p_kill = sub.add_parser("kill", help="stop orphans (whose kernel is gone), one run, or --all",
+                            description=_KILL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p_kill.add_argument("run_id", nargs="?", default=None, metavar="RUN_ID",
+                        help="stop this run's processes, whoever's they are (a live kernel's too)")
+    p_kill.add_argument("--all", action="store_true",
+                        help="also stop the runs and sessions of live kernels: every nbdist rank of yours "
+                             "(a live kernel's warm template stays; it is not a run)")
+    return parser
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="nbdist", description="Find and stop nbdist ranks left running.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_ps = sub.add_parser("ps", help="list live processes that carry a run's marker")
-    p_ps.add_argument("run_id", nargs="?", default=None)
-    p_kill = sub.add_parser("kill", help="stop orphans (whose kernel is gone), one run, or --all")
-    p_kill.add_argument("run_id", nargs="?", default=None)
-    p_kill.add_argument("--all", action="store_true", help="every nbdist process of yours, live kernels' too")
-    args = parser.parse_args(argv)
-    if args.command == "ps":
-        print(format_table(ps(args.run_id)))
-        print(describe_retention(choose_runs_root()))
-        return 0
-    n = kill(args.run_id, all=args.all)
+    """``nbdist ps [RUN_ID]`` and ``nbdist kill [--all] [RUN_ID]``; see ``nbdist --help``."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "ps":
+            print(format_table(ps(args.run_id)))
+            print(describe_retention(choose_runs_root()))
+            return 0
+        if args.run_id is not None and args.all:
+            print("nbdist: error: give a RUN_ID or --all, not both", file=sys.stderr)
+            return 2
+        if args.run_id is not None and not ps(args.run_id):
+            print(f"nbdist: no live process carries run id {args.run_id!r}; `nbdist ps` lists the runs",
+                  file=sys.stderr)
+            return 1
+        n = kill(args.run_id, all=args.all)
+    except (OSError, ValueError) as exc:  # the runs root refused (not private), /proc unreadable: one line
+        print(f"nbdist: error: {exc}", file=sys.stderr)
+        return 2
     print(f"stopped {n} process{'es' if n != 1 else ''}")
     return 0
 

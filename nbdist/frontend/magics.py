@@ -21,7 +21,6 @@ import functools
 import html
 import os
 import re
-import threading
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -35,7 +34,8 @@ from nbdist.frontend.views import FLUSH_INTERVAL, make_view
 from nbdist.protocol import rundir
 from nbdist.run.retention import describe_retention
 
-__all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async"]
+__all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async",
+           "expand_magic_line"]
 
 _CELL_HEAD = re.compile(r"^%%distributed(\s|$)")
 
@@ -126,11 +126,30 @@ def _ended_event(run) -> asyncio.Event:
     return ended
 
 
+def expand_magic_line(shell, line: str) -> str:
+    """``line`` with ``{expr}``, ``$name`` and ``$$`` expanded in the notebook's namespace, as IPython
+    expands every magic line (``InteractiveShell.var_expand``).
+
+    The awaiting cell bypasses ``run_cell_magic``, which would have done this; its frame's locals are
+    nbdist's, so the notebook's namespace is given alone. A line that doesn't format (an undefined
+    name) is left as it is, as IPython leaves it: the option's own parse error then names it.
+    """
+    if "$" not in line and "{" not in line:
+        return line
+    from IPython.utils.text import DollarFormatter
+
+    try:
+        return DollarFormatter().vformat(line, args=[], kwargs=shell.user_ns.copy())
+    except Exception:
+        return line
+
+
 async def run_cell_async(line: str, cell: str):
     """The cell in a Jupyter kernel: awaiting, so widgets (the Kill button) stay live."""
     from IPython import get_ipython
 
     shell = get_ipython()
+    line = expand_magic_line(shell, line)  # at run time: the names as they are when the cell runs
     job, run, view = _launch_cell(shell, line, cell)
     if run is None or job.args.bg:
         return view if run is None else None
@@ -265,6 +284,27 @@ class DistributedMagics(Magics):
         show_stacks()
 
     @line_magic
+    def dist_autoreload(self, line):
+        """``%dist_autoreload [on|off|kernel]``: before each session cell, every rank reloads the modules
+        of yours that changed on disk since it imported them (as ``%autoreload 2`` does in the kernel).
+
+        By default session cells follow the kernel's ``%autoreload`` (its mode, ``%aimport`` and
+        ``%aimport -name``); ``on`` or ``off`` overrides it, ``kernel`` follows it again. Without an
+        argument it says what session cells reload now.
+
+        Examples
+        --------
+        ::
+
+            %load_ext autoreload
+            %autoreload 2          # the kernel and the session's ranks both reload mymodel.py when it changes
+            %dist_autoreload off   # the ranks keep the code they imported
+        """
+        from nbdist.frontend.session_magics import set_autoreload
+
+        print(set_autoreload(self.shell, line))
+
+    @line_magic
     def dist_ps(self, line):
         """Show nbdist processes of any run (this kernel's, another's, a dead kernel's), each saying whose,
         with a button that stops this kernel's runs and the orphans (as ``%dist_kill``)."""
@@ -380,21 +420,16 @@ def _procs_html(procs) -> str:
     return f"<table style='font-size:12px'><tr>{head}</tr>{''.join(rows)}</table>{notes}"
 
 
-def _import_torch_and_watch_cuda() -> None:
-    """The kernel hosts each run's store with torch: import it now, off the main thread, so the first
-    cell doesn't pay for it (it starts no CUDA context); then watch who first initialises CUDA."""
-    import torch.distributed  # noqa: F401
-
-    from nbdist.launchers.cuda_watch import watch_cuda_init
-
-    watch_cuda_init()
-
-
 def load_ipython_extension(ipython) -> None:
+    from nbdist.launchers.cuda_watch import watch_cuda_init_when_imported
+    from nbdist.launchers.store_host import start_store_host
     from nbdist.warmstart.handle import start_in_background
 
     ipython.register_magics(DistributedMagics)
-    threading.Thread(target=_import_torch_and_watch_cuda, name="nbdist-import-torch", daemon=True).start()
+    # The kernel never imports torch for a loopback run: the store host holds the runs' stores. Who
+    # first initialises CUDA is watched from the user's own `import torch` on.
+    watch_cuda_init_when_imported()
+    start_store_host()
     start_in_background()  # the template imports torch while the user writes the first cell
     if _rewrite_distributed_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(_rewrite_distributed_cell)

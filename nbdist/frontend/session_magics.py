@@ -1,5 +1,9 @@
 """The notebook's session, from IPython: ``%dist_start``, ``%dist_stop``, ``%dist_restart``,
-``%dist_stacks``, and ``%%distributed`` cells that run in the live session.
+``%dist_stacks``, ``%dist_autoreload``, and ``%%distributed`` cells that run in the live session.
+
+A session cell carries the kernel's ``%autoreload`` (read from IPython's own ``AutoreloadMagics``:
+its mode, ``%aimport`` and ``%aimport -name``) as a plain value, unless ``%dist_autoreload on|off``
+overrides it: each rank then reloads its changed modules first (:mod:`nbdist.worker.autoreload`).
 
 A thin front end over :class:`nbdist.Session`, as ``magic.py`` is over runs: it parses flags,
 turns a cell into a payload in the session's cell dir, and hands the cell's handle to the same
@@ -17,14 +21,17 @@ from nbdist.errors import LaunchConfigError, SessionLostError
 from nbdist.frontend.cell_source import CellSource, find_defined_names
 from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
+from nbdist.protocol.session_channel import Autoreload
 from nbdist.session.handle import Session
 from nbdist.worker.cell import run_cell
 
 __all__ = ["live_session", "start_session", "stop_session", "restart_session", "show_stacks", "has_stdin", "debug_last_failure",
-           "launch_session_cell"]
+           "launch_session_cell", "kernel_autoreload", "cell_autoreload", "set_autoreload"]
 
 _SESSION: Session | None = None
 MAGIC_RESTART_HINT = "%dist_restart brings new ranks"
+_AUTORELOAD: bool | None = None  # %dist_autoreload on/off; None: session cells follow the kernel's %autoreload
+_MODE_NAMES = {1: "1 (the %aimport-ed modules)", 2: "2 (all modules)", 3: "3 (all modules, and their new names)"}
 
 
 def live_session() -> Session | None:
@@ -122,6 +129,53 @@ def show_stacks() -> None:
                 print(f"  torch's NCCL flight recorder: {entry}")
         if dump is not None:
             print(dump.main)
+
+
+def kernel_autoreload(shell) -> Autoreload | None:
+    """The kernel's ``%autoreload`` as a plain value for the ranks: None while it is off or not loaded."""
+    registry = getattr(getattr(shell, "magics_manager", None), "registry", None) or {}
+    reloader = getattr(registry.get("AutoreloadMagics"), "_reloader", None)
+    if reloader is None or not getattr(reloader, "enabled", False):
+        return None
+    mode = 3 if getattr(reloader, "autoload_obj", False) else 2 if getattr(reloader, "check_all", True) else 1
+    return Autoreload(mode, tuple(getattr(reloader, "modules", ())), tuple(getattr(reloader, "skip_modules", ())))
+
+
+def cell_autoreload(shell) -> Autoreload | None:
+    """What a session cell's ranks reload first: as ``%dist_autoreload`` says, else as the kernel's ``%autoreload``."""
+    if _AUTORELOAD is None:
+        return kernel_autoreload(shell)
+    if not _AUTORELOAD:
+        return None
+    kernel = kernel_autoreload(shell)  # on: every changed module, but those the kernel skips (%aimport -name)
+    return Autoreload(2, (), kernel.skip if kernel is not None else ())
+
+
+def set_autoreload(shell, word: str) -> str:
+    """``%dist_autoreload [on|off|kernel]``: set it (``kernel``: follow the kernel's ``%autoreload``
+    again); say what session cells reload now."""
+    global _AUTORELOAD
+    word = word.strip().lower()
+    choices = {"on": True, "1": True, "true": True, "off": False, "0": False, "false": False,
+               "kernel": None, "auto": None}
+    if word not in choices and word:
+        raise UsageError(f"%dist_autoreload takes on, off or kernel (follow the kernel's %autoreload), got {word!r}")
+    if word:
+        _AUTORELOAD = choices[word]
+    rule = cell_autoreload(shell)
+    kernel = kernel_autoreload(shell)
+    said = ("%dist_autoreload " + ("on" if _AUTORELOAD else "off") if _AUTORELOAD is not None
+            else "as the kernel's %autoreload" + ("" if kernel is not None else ", which is off or not loaded"))
+    if rule is None:
+        what = "reload nothing"
+    else:
+        what = ("first reload, on every rank, the modules that changed on disk: mode "
+                f"{_MODE_NAMES.get(rule.mode, rule.mode)}")
+        if rule.mode == 1:
+            what += f": {', '.join(rule.modules) or 'none yet'}"
+        if rule.skip:
+            what += f"; skipped: {', '.join(rule.skip)}"
+    return f"nbdist: session cells {what} ({said})"
 
 
 def _describe(session: Session) -> str:
@@ -233,7 +287,7 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
                                                       job.source_text), {}, sources_held=inc.sources_held)
         handle = inc.start_cell(cell_dir, targets, payload, args.timeout,
                                 check_collectives=args.check_collectives or session.check_collectives,
-                                stdin=has_stdin(shell) and not args.bg)
+                                stdin=has_stdin(shell) and not args.bg, autoreload=cell_autoreload(shell))
     except BaseException:
         rundir.discard_run_dir(cell_dir)
         raise

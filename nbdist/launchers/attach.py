@@ -61,7 +61,7 @@ def _join_group_mpi(comm, rank, size, single_node, dist_url, backend):
     rdzv = None
     if dist_url == "auto":
         if rank == 0:
-            rdzv = open_rendezvous("auto", size, host=node_address(single_node))
+            rdzv = open_rendezvous("auto", size, host=node_address(single_node), here=True)
             where = (rdzv.master_addr, rdzv.master_port)
         else:
             where = None
@@ -107,7 +107,7 @@ def slurm_store(rank: int, size: int):
     if KEEP["slurm_store"] is None:
         addr, port = slurm_meeting_point(os.environ)
         if rank == 0:  # holding the store keeps its server up
-            store = open_rendezvous("auto", size, host=addr, port=port).store
+            store = open_rendezvous("auto", size, host=addr, port=port, here=True).store
         else:
             store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))

@@ -31,6 +31,7 @@ __all__ = [
     "record_running",
     "read_running",
     "TEMPLATE_PREFIX",
+    "STORE_HOST_PREFIX",
     "write_private",
     "write_spec",
     "read_spec",
@@ -110,6 +111,8 @@ class RunSpec:
 
 # A warm template's run id (nbdist.warmstart.handle) starts with this; ps tells templates from ranks by it.
 TEMPLATE_PREFIX = "warm-"
+# A kernel's store host (nbdist.launchers.store_host): a helper of the kernel like its template, not a rank.
+STORE_HOST_PREFIX = "store-"
 
 
 def new_run_id() -> str:

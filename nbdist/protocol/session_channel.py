@@ -3,7 +3,8 @@ request, the socket option both ends set, and how a reply's value is read.
 
 The messages themselves are tuples sent over ``multiprocessing.connection``:
 kernel -> rank ``("cell", cell_id, cell_dir, options, payload)`` (``payload`` None: it is in the
-cell's dir), ``("release",)``, ``("close",)``;
+cell's dir; ``options``: ``{"check_collectives": bool, "autoreload": Autoreload or None}``),
+``("release",)``, ``("close",)``;
 rank -> kernel ``("hello", rank, pid, host)``, ``("display", rank, cell_id, data, metadata)``,
 ``("done", rank, cell_id, kind, body, (offsets at start, offsets at end))``. A cell costs one message
 each way per rank: a trivial cell's round trip is the floor of a session cell's time.
@@ -14,12 +15,27 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+from dataclasses import dataclass
 
 __all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay",
-           "load_value"]
+           "load_value", "Autoreload"]
 
 
 SESSION_KEY_FILE = "session.key"
+
+
+@dataclass(frozen=True)
+class Autoreload:
+    """Which changed modules a session cell reloads on its ranks first (:mod:`nbdist.worker.autoreload`),
+    as IPython's ``%autoreload`` modes say: 1, the ``%aimport``-ed ``modules`` only; 2, every module of
+    the user's but the ``skip``-ped ones (``%aimport -name``); 3, as 2, and names a module newly defines
+    go into the ranks' ``__main__``."""
+
+    mode: int = 2
+    modules: tuple = ()
+    skip: tuple = ()
+
+
 # A cell's payload up to this size goes with its message; a bigger one (a function's tensor
 # argument) is written once into the cell's dir, not once per rank through the kernel's sockets.
 INLINE_PAYLOAD_MAX = 256 * 1024

@@ -1,4 +1,4 @@
-"""What a kernel ends when it exits, in one order: sessions, then runs, then warm templates.
+"""What a kernel ends when it exits, in one order: sessions, then runs, then its store host and warm templates.
 
 Sessions go first so that their ranks leave their loop and run their own atexit handlers (loggers,
 trackers, checkpoints) as :meth:`nbdist.Session.close` promises; then the runs still in flight are
@@ -38,6 +38,10 @@ def _end_everything() -> None:
                 closer()
             except Exception:  # one that fails must not keep the others from running
                 log.exception("nbdist: closing %s at exit failed", step)
+    hosts = sys.modules.get("nbdist.launchers.store_host")  # the runs' stores, once no run needs them
+    if hosts is not None:
+        with contextlib.suppress(Exception):
+            hosts.close_store_hosts()
     handle = sys.modules.get("nbdist.warmstart.handle")  # only if this kernel ever started a template
     if handle is not None:
         with contextlib.suppress(Exception):

@@ -48,7 +48,7 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, options, *, run_id=None
     if options.init_process_group:
         hosted = None
         if rank == 0:
-            hosted = open_rendezvous("auto", size * nprocs, host=node_address(local_size == size))
+            hosted = open_rendezvous("auto", size * nprocs, host=node_address(local_size == size), here=True)
             KEEP["hosted"] = hosted.store
         addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
         rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import psutil
 
 from nbdist.protocol.marker import read_marker
-from nbdist.protocol.rundir import TEMPLATE_PREFIX, read_pids, read_spec
+from nbdist.protocol.rundir import STORE_HOST_PREFIX, TEMPLATE_PREFIX, read_pids, read_spec
 
 __all__ = ["MarkedProcess", "Owner", "find_marked", "find_owner"]
 
@@ -38,8 +38,14 @@ class MarkedProcess:
 
     @property
     def is_template(self) -> bool:
-        """A kernel's warm template (it forks ranks; it is not a rank of any run)."""
-        return self.run_id.startswith(TEMPLATE_PREFIX)
+        """A kernel's own helper, not a rank of any run: its warm template (it forks ranks) or its
+        store host (it hosts the runs' stores). Both live as long as their kernel."""
+        return self.run_id.startswith((TEMPLATE_PREFIX, STORE_HOST_PREFIX))
+
+    @property
+    def is_store_host(self) -> bool:
+        """A kernel's store host (:mod:`nbdist.launchers.store_host`)."""
+        return self.run_id.startswith(STORE_HOST_PREFIX)
 
     @property
     def mine(self) -> bool:

@@ -119,7 +119,8 @@ class CellLevel:
             rundir.discard_run_dir(cell_dir)
             raise
         check = self.check_collectives if check_collectives is None else check_collectives
-        cell = inc.start_cell(cell_dir, targets, payload, timeout, check_collectives=check, stdin=stdin)
+        cell = inc.start_cell(cell_dir, targets, payload, timeout, check_collectives=check, stdin=stdin,
+                              autoreload=self.autoreload)
         inc.note_sources_sent(targets, sent)
         return cell
 

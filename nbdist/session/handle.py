@@ -23,6 +23,7 @@ import weakref
 
 from nbdist.errors import LaunchConfigError
 from nbdist.options import WorldOptions
+from nbdist.protocol.session_channel import Autoreload
 from nbdist.run.at_exit import close_at_exit
 from nbdist.session.cells import CellLevel
 from nbdist.session.incarnation import Incarnation
@@ -41,7 +42,11 @@ class Session(CellLevel):
     says which ranks never connected and where they were; and ``check_collectives``: before each
     collective of every cell, the ranks compare what they call (op, group, sequence number, shapes,
     dtypes), so a mismatch is an error that names each rank's call instead of a hang
-    (:mod:`nbdist.worker.flight_recorder`; it costs a store round trip per collective). The ranks start in the background
+    (:mod:`nbdist.worker.flight_recorder`; it costs a store round trip per collective); and ``autoreload``:
+    before each cell, every rank reloads the modules of the user's that changed on disk since it imported
+    them, as IPython's ``%autoreload 2`` does (True; or a
+    :class:`~nbdist.protocol.session_channel.Autoreload` for its other modes; the notebook's cells follow
+    the kernel's ``%autoreload`` or ``%dist_autoreload`` instead). The ranks start in the background
     (forked from the warm template when it is ready); the constructor returns at once.
 
     Attributes
@@ -66,7 +71,7 @@ class Session(CellLevel):
 
     def __init__(self, nprocs=None, launcher="auto", backend="auto", env=None, run_dir=None, launcher_args=None,
                  nnodes=1, node_rank=0, master_addr=None, master_port=None, start_method=None, start_timeout=None,
-                 check_collectives=False):
+                 check_collectives=False, autoreload=False):
         self.options = WorldOptions.from_call(locals()).check()
         if launcher == "attach":
             raise LaunchConfigError("an attached kernel already is a persistent rank: run cells in it directly")
@@ -75,6 +80,7 @@ class Session(CellLevel):
             raise LaunchConfigError(f"start_timeout must be a positive number of seconds, got {start_timeout!r}")
         self.start_timeout = start_timeout
         self.check_collectives = bool(check_collectives)
+        self.autoreload = autoreload
         self._hint = API_RESTART_HINT
         self._lock = threading.Lock()
         self._count = 0
@@ -89,6 +95,23 @@ class Session(CellLevel):
     def incarnation(self) -> Incarnation:
         """The current ranks and everything that acts on them."""
         return self._current
+
+    @property
+    def autoreload(self) -> Autoreload | None:
+        """What the ranks reload before each of this handle's cells (None: nothing); set True, False
+        or an :class:`~nbdist.protocol.session_channel.Autoreload`."""
+        return self._autoreload
+
+    @autoreload.setter
+    def autoreload(self, value) -> None:
+        if value is None or value is False:
+            self._autoreload = None
+        elif value is True:
+            self._autoreload = Autoreload()
+        elif isinstance(value, Autoreload) and value.mode in (0, 1, 2, 3):
+            self._autoreload = value if value.mode else None
+        else:
+            raise LaunchConfigError(f"autoreload takes True, False or an nbdist Autoreload, got {value!r}")
 
     @property
     def restart_hint(self) -> str:

@@ -334,7 +334,7 @@ class Incarnation:
         return cell_dir
 
     def start_cell(self, cell_dir: str, targets: list[int], payload: bytes, timeout=None, internal: bool = False,
-                   check_collectives: bool = False, stdin: bool = False) -> CellHandle:
+                   check_collectives: bool = False, stdin: bool = False, autoreload=None) -> CellHandle:
         """Send the cell's ``payload`` (:func:`nbdist.protocol.rundir.pack_payload`) to ``targets``;
         return the cell's handle at once. A small payload goes with the message (no file to write
         and read back on the way of every cell); a big one (a function's tensor argument, say) is
@@ -342,7 +342,9 @@ class Incarnation:
 
         ``internal``: nbdist's own call while it brings the ranks in step after a user's cell;
         ``check_collectives``: the ranks compare each collective before they issue it; ``stdin``: a
-        front end answers the ranks' pdb prompts (:mod:`nbdist.frontend.debugger_prompt`).
+        front end answers the ranks' pdb prompts (:mod:`nbdist.frontend.debugger_prompt`);
+        ``autoreload``: an :class:`~nbdist.protocol.session_channel.Autoreload`: each rank first reloads
+        the modules of the user's that changed on disk (:mod:`nbdist.worker.autoreload`).
         """
         if len(payload) > INLINE_PAYLOAD_MAX:
             rundir.write_private(os.path.join(cell_dir, rundir.PAYLOAD_FILE), payload)
@@ -354,7 +356,8 @@ class Incarnation:
             self.status = "busy"
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)
-        self.send(targets, ("cell", cell.cell_id, cell_dir, {"check_collectives": bool(check_collectives)}, payload))
+        options = {"check_collectives": bool(check_collectives), "autoreload": None if internal else autoreload}
+        self.send(targets, ("cell", cell.cell_id, cell_dir, options, payload))
         return cell
 
     def send(self, ranks, message) -> None:

@@ -237,9 +237,7 @@ def start_in_background() -> WarmTemplate | None:
     """What ``%load_ext nbdist`` does: start the template unless ``NBDIST_WARM=0``."""
     if os.environ.get(WARM_ENV, "1") == "0":
         return None
-    # The kernel hosts each run's store with torch: import it now too, off the main thread, so the
-    # first cell doesn't pay for it. Importing starts no CUDA context.
-    threading.Thread(target=__import__, args=("torch.distributed",), name="nbdist-import-torch", daemon=True).start()
+    # The kernel itself doesn't import torch: its store host (nbdist.launchers.store_host) holds the stores.
     return warm()
 
 

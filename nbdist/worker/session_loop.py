@@ -97,9 +97,11 @@ def _stop_held():
                 raise KeyboardInterrupt
 
 
-def _run_one(cell_dir: str, rank: int, payload: bytes | None):
+def _run_one(cell_dir: str, rank: int, payload: bytes | None, reload=None):
     """Run the cell's payload (from its message, else from its dir), interruptible; return
-    ``(kind, body)`` for the kernel."""
+    ``(kind, body)`` for the kernel. ``reload``: the kernel's ``%autoreload``
+    (:class:`~nbdist.protocol.session_channel.Autoreload`): the modules that changed on disk are
+    reloaded first, and one that can't be is the cell's failure (its code does not run)."""
     global _IN_USER_CODE, _STOPPED, _CELL_DIR, _MISSED_STOP
     from nbdist.worker.exceptions import describe_exception
 
@@ -109,13 +111,20 @@ def _run_one(cell_dir: str, rank: int, payload: bytes | None):
     from nbdist.worker.cell import run_cell
 
     fn, args, kwargs, _extra = rundir.read_payload(cell_dir, payload)
-    if fn is run_cell or not getattr(fn, "__module__", "").startswith("nbdist.worker."):
+    users = fn is run_cell or not getattr(fn, "__module__", "").startswith("nbdist.worker.")
+    if users:
         # A user's cell or function: %dist_debug shows its failure, not an older one. nbdist's own
-        # calls (bringing the ranks in step, pull, post-mortem itself) keep it.
+        # calls (bringing the ranks in step, pull, post-mortem itself) keep it, and reload nothing.
         debugger.forget_failure()
+    else:
+        reload = None
     _STOPPED, _CELL_DIR = False, cell_dir
     try:
         try:
+            if reload is not None:  # before the stop button may raise: a module is never left half reloaded
+                from nbdist.worker.autoreload import reload_changed
+
+                reload_changed(reload)  # a stop meanwhile is noted, and stops the cell just below
             _IN_USER_CODE = True
             if _MISSED_STOP:  # from here on a SIGINT raises; one that came before is checked once
                 _MISSED_STOP = False
@@ -169,8 +178,10 @@ def serve_session(session_dir: str, address) -> None:
             print(data.get("text/plain", "<rich output>"))
 
     from nbdist.worker import debugger, display
+    from nbdist.worker.autoreload import track
 
     display.install(send_display)  # display() and plt.show() reach the notebook
+    track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
     threading.Thread(target=_answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
     send(("hello", rank, os.getpid(), socket.gethostname()))
     while True:
@@ -192,7 +203,7 @@ def serve_session(session_dir: str, address) -> None:
         _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
         debugger.install(*_debug_channel(conn, send, rank, cell_id))
         try:
-            kind, body = _run_one(cell_dir, rank, payload)
+            kind, body = _run_one(cell_dir, rank, payload, cell_options.get("autoreload"))
         except KeyboardInterrupt:  # a second stop within microseconds of the first
             _IN_USER_CODE = False
             kind, body = "interrupted", None
@@ -203,6 +214,7 @@ def serve_session(session_dir: str, address) -> None:
         running.leave()
         _check_collectives(None)
         debugger.install(None, None)
+        track()  # the modules the cell imported, with their files' mtimes before the user can edit them
         send(("done", rank, cell_id, kind, body, (start, _log_offsets())))
 
 
