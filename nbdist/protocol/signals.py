@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import signal
 
 __all__ = ["PARENT_DIED_SIGNAL", "STACK_DUMP_SIGNAL", "CUT_SIGNAL", "COLLECTIVES_SIGNAL", "set_pdeathsig",
-           "dump_signal_held"]
+           "tie_to_kernel", "dump_signal_held"]
 
 # prctl(2)'s option number: ask the kernel for a signal when the parent thread dies.
 
@@ -43,6 +44,20 @@ def set_pdeathsig(sig: int) -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def tie_to_kernel(kernel_pid: int, pdeathsig: bool) -> int | None:
+    """A kernel's helper process (warm template, store host): die with the kernel; return its pidfd.
+
+    PDEATHSIG follows the *thread* that started us, so it is asked for only where the kernel's main
+    thread did (``pdeathsig``), and the returned pidfd is for the caller to watch in any case.
+    None: the kernel died before we got here.
+    """
+    if pdeathsig:
+        set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != kernel_pid:
+        return None
+    return os.pidfd_open(kernel_pid)
 
 
 @contextlib.contextmanager

@@ -86,18 +86,15 @@ def main(argv=None) -> int:
     """``python -c 'from nbdist.warmstart.store_host import main; main()' FD KERNEL_PID``."""
     from multiprocessing.connection import Connection
 
-    from nbdist.protocol.signals import set_pdeathsig
+    from nbdist.protocol.signals import tie_to_kernel
 
     argv = sys.argv[1:] if argv is None else argv
     fd, kernel_pid = int(argv[0]), int(argv[1])
     # Our own session keeps the terminal's Ctrl-C away; a stray SIGINT must not drop every run's store.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if os.environ.get("NBDIST_STORE_HOST_PDEATHSIG") == "1":
-        set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != kernel_pid:
+    kernel_fd = tie_to_kernel(kernel_pid, os.environ.get("NBDIST_STORE_HOST_PDEATHSIG") == "1")
+    if kernel_fd is None:
         return 1  # the kernel died before we got here
-    # PDEATHSIG is there only if the kernel started us from its main thread: watch it ourselves too.
-    kernel_fd = os.pidfd_open(kernel_pid)
     conn = Connection(fd)
     t0 = time.monotonic()
     import torch

@@ -262,19 +262,16 @@ def main(argv=None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     fd, kernel_pid, preload = int(argv[0]), int(argv[1]), argv[2:]
-    from nbdist.protocol.signals import STACK_DUMP_SIGNAL, set_pdeathsig
+    from nbdist.protocol.signals import STACK_DUMP_SIGNAL, tie_to_kernel
 
     # Our own session already keeps the terminal's Ctrl-C away; a stray SIGINT is for ranks, not us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Held for our whole life, so every rank we fork starts with it held: a timeout's stack dump
     # that comes before the rank's handler is in waits for it instead of killing the rank.
     signal.pthread_sigmask(signal.SIG_BLOCK, {STACK_DUMP_SIGNAL})
-    if os.environ.get("NBDIST_TEMPLATE_PDEATHSIG") == "1":
-        set_pdeathsig(signal.SIGKILL)
-    if os.getppid() != kernel_pid:
+    kernel_fd = tie_to_kernel(kernel_pid, os.environ.get("NBDIST_TEMPLATE_PDEATHSIG") == "1")
+    if kernel_fd is None:
         return 1  # the kernel died before we got here
-    # PDEATHSIG is there only if the kernel started us from its main thread: watch it ourselves too.
-    kernel_fd = os.pidfd_open(kernel_pid)
     conn = Connection(fd)
     sock = socket.socket(fileno=os.dup(fd))
     try:
