@@ -55,6 +55,8 @@ class Kernel:
             if answers is not None:
                 self._answer_stdin(answers, res)
             left = timeout - (time.monotonic() - t0)
+            if left <= 0:  # checked on every message too: a flood of output never makes it wait for ever
+                raise queue.Empty(f"{msg_id} not idle within {timeout} s")
             try:
                 msg = self.kc.get_iopub_msg(timeout=max(0.1, left) if answers is None else 0.05)
             except queue.Empty:
@@ -62,8 +64,8 @@ class Kernel:
                     continue
                 raise
             t, c = msg["msg_type"], msg["content"]
-            if t == "comm_msg":  # widget updates carry the cell's parent too, but keep all
-                state = c["data"].get("state", {})
+            if t in ("comm_open", "comm_msg"):  # a widget's first state, then its updates (keep all)
+                state = c.get("data", {}).get("state", {})
                 if "outputs" in state:
                     self.outputs_by_comm[c["comm_id"]] = state["outputs"]
                     res.widget_outputs[c["comm_id"]] = state["outputs"]

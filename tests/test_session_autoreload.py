@@ -6,6 +6,7 @@ Through a real kernel (jupyter_client)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -139,3 +140,41 @@ def test_autoreload_1_reloads_only_the_aimported_modules(kernel, tmp_path):
     _write(a, "X = 'a3'\n")
     res = _cell(kernel, "print('got', amod.X, bmod.X)")
     assert res.status == "ok" and _ranks_print(res, "got a2 b2"), res.error_text + res.stdout
+
+
+def test_the_kernel_stats_for_ranks_on_its_machine_and_a_rank_elsewhere_stats_its_own(tmp_path, monkeypatch):
+    """The two ways a rank learns what changed, on the real functions: the kernel's list (it stats each
+    file once for all its machine's ranks) or, with none (a rank on another machine), its own stats."""
+    from nbdist.protocol.session_channel import Autoreload
+    from nbdist.session.watched_files import WatchedFiles
+    from nbdist.worker import autoreload
+
+    mod = tmp_path / "edited_here.py"
+    _write(mod, "X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    autoreload.take_report()
+    import edited_here
+
+    autoreload.track()
+    report = dict(autoreload.take_report())  # this process's other modules of the user's (tests/) too
+    assert report[str(mod)] == mod.stat().st_mtime_ns, "a newly imported module of the user's is reported"
+    assert not any("site-packages" in path or "/nbdist/" in path for path in report), "never installed code"
+    report = {str(mod): report[str(mod)]}
+    assert autoreload.take_report() == (), "once"
+    files = WatchedFiles()
+    files.note(0, report.items())
+    files.note(1, report.items())
+    assert files.changed() == ()
+    _write(mod, "X = 2\n")
+    told = files.changed()
+    assert told == ((str(mod), mod.stat().st_mtime_ns),)
+    assert autoreload.reload_changed(Autoreload(mode=2, changed=())) == [], "the kernel saw nothing: none looked"
+    assert edited_here.X == 1
+    assert autoreload.reload_changed(Autoreload(mode=2, changed=told)) == ["edited_here"]
+    assert edited_here.X == 2 and dict(autoreload.take_report()) == dict(told), "the reload is reported"
+    _write(mod, "X = 3\n")
+    assert autoreload.reload_changed(Autoreload(mode=2)) == ["edited_here"], "no list: the rank stats its own"
+    assert edited_here.X == 3
+    files.note(0, autoreload.take_report())
+    assert files.changed() == ((str(mod), mod.stat().st_mtime_ns),), "rank 1 has not reloaded it yet"
+    del sys.modules["edited_here"]

@@ -6,7 +6,8 @@ kernel -> rank ``("cell", cell_id, cell_dir, options, payload)`` (``payload`` No
 cell's dir; ``options``: ``{"check_collectives": bool, "autoreload": Autoreload or None}``),
 ``("release",)``, ``("close",)``;
 rank -> kernel ``("hello", rank, pid, host)``, ``("display", rank, cell_id, data, metadata)``,
-``("done", rank, cell_id, kind, body, (offsets at start, offsets at end))``. A cell costs one message
+``("done", rank, cell_id, kind, body, (offsets at start, offsets at end), watched)`` (``watched``: the
+``(path, mtime_ns)`` of the user's module files it imported or reloaded since its last answer). A cell costs one message
 each way per rank: a trivial cell's round trip is the floor of a session cell's time.
 Standard library only.
 """
@@ -34,6 +35,9 @@ class Autoreload:
     mode: int = 2
     modules: tuple = ()
     skip: tuple = ()
+    # ((path, mtime_ns), ...): the files the kernel saw change since the ranks imported them (it stats
+    # each once for ranks on its machine: nbdist.session.watched_files); None: each rank stats its own.
+    changed: tuple | None = None
 
 
 # A cell's payload up to this size goes with its message; a bigger one (a function's tensor

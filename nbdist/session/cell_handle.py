@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from nbdist.errors import RankFailure, RunStoppedError, SessionLostError, WorkerFailedError, format_rank_set
+from nbdist.run.display_backlog import DisplayBacklog
 from nbdist.run.events import DisplayEvent, EventSource, OutputChunk, RankStatus, RunEvent
 from nbdist.run.retention import discard_data
 
@@ -101,7 +102,7 @@ class CellHandle(EventSource):
         self.report: str | None = None
         self._subscribers: list = []
         self._lines = {r: collections.deque(maxlen=5000) for r in self.targets}  # replayed to late views
-        self.displays: list[DisplayEvent] = []  # rich output, in order (replayed too)
+        self._displays = DisplayBacklog()  # rich output, each rank's last ones (replayed too)
         self.answered = threading.Event()  # every targeted rank replied (the cell is done once in step)
         self._timer: threading.Timer | None = None  # its timeout, cancelled when it ends
         self._done = threading.Event()
@@ -122,7 +123,7 @@ class CellHandle(EventSource):
         """Call ``callback(event)`` for the cell's output chunks and rank states (as Run.subscribe)."""
         with self._lock:
             if replay:
-                self._replay(callback, self._lines, self.displays)
+                self._replay(callback, self._lines, self._replayed_displays())
             self._subscribers.append(callback)
 
     def feed(self, chunk: OutputChunk) -> None:
@@ -136,8 +137,25 @@ class CellHandle(EventSource):
     def feed_display(self, rank: int, data: dict, metadata: dict) -> None:
         """A rank's ``display(...)`` or figure: the views show rank 0's in the notebook, others' in their tab."""
         with self._lock:
-            self.displays.append(DisplayEvent(rank, data, metadata))
-            self._emit(self.displays[-1])
+            event = DisplayEvent(rank, data, metadata)
+            self._displays.add(event)
+            self._emit(event)
+
+    @property
+    def displays(self) -> list[DisplayEvent]:
+        """The rich output the kernel still holds, in order: each rank's last
+        :data:`~nbdist.run.display_backlog.RECORD_DISPLAYS` bundles, up to ``RECORD_BYTES``."""
+        with self._lock:
+            return self._displays.snapshot().events
+
+    def _replayed_displays(self) -> list:
+        """For a late view: a line per rank whose oldest displays were dropped, then those kept."""
+        held = self._displays.snapshot()
+        notes = [OutputChunk(r, "stderr", [held.dropped_note(r, f"the kernel keeps each rank's last "
+                                                               f"{self._displays.max_count} or "
+                                                               f"{self._displays.max_bytes >> 20} MB")], "")
+                 for r in sorted(held.dropped)]
+        return [*notes, *held.events]
 
     def on_debug_message(self, rank: int, message) -> None:
         """A rank's pdb asks for a command (``("debug", rank, cell, text, where)``), or went on. With

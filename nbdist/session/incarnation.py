@@ -26,6 +26,7 @@ Two levels, and every step knows which it is in:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -42,6 +43,7 @@ from nbdist.session.bring_up import bring_up
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
 from nbdist.session.rank_channel import RankListener
+from nbdist.session.watched_files import WatchedFiles
 from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
                                      interrupt_ranks, recover, release_if_asked, stop_cell)
 
@@ -81,6 +83,7 @@ class Incarnation:
         self.conns: dict[int, object] = {}
         self.pids: dict[int, int] = {}
         self.remote: set[int] = set()  # ranks on other machines (srun, mpirun with hosts): never signalled
+        self.watched_files = WatchedFiles()  # the ranks' module files, for %autoreload
         self.active: CellHandle | None = None
         self.recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
         self.send_lock = threading.Lock()
@@ -164,7 +167,9 @@ class Incarnation:
         if message[0] in ("debug", "debug_resumed"):
             cell.on_debug_message(rank, message)
             return
-        _, _, _, kind, body, offsets = message
+        _, _, _, kind, body, offsets, watched = message
+        if watched:
+            self.watched_files.note(rank, watched)
         last = cell.record_done(rank, kind, body, offsets, self.pids.get(rank))
         release_if_asked(self, cell, rank)
         if last:
@@ -356,6 +361,9 @@ class Incarnation:
             self.status = "busy"
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)
+        if autoreload is not None and not internal and not self.remote.intersection(targets):
+            # Ranks on this machine see the kernel's files: it stats each once for all of them.
+            autoreload = dataclasses.replace(autoreload, changed=self.watched_files.changed())
         options = {"check_collectives": bool(check_collectives), "autoreload": None if internal else autoreload}
         self.send(targets, ("cell", cell.cell_id, cell_dir, options, payload))
         return cell

@@ -6,8 +6,11 @@ and site-packages: an editable install is the user's, torch's 1,500 modules are 
 file's mtime when the rank first saw it: :func:`track` runs as every cell ends (and once before the
 first), a set difference of ``sys.modules``' names against the last scan when their number changed.
 :func:`reload_changed` runs before a cell when the kernel sends an
-:class:`~nbdist.protocol.session_channel.Autoreload`: one ``stat`` per watched module, nothing else
-(200 modules: some 0.1 ms where a stat costs 0.5 us, 0.6 ms on a box where it costs 3 us).
+:class:`~nbdist.protocol.session_channel.Autoreload`. For ranks on its machine the kernel itself
+stats each file once per cell (each rank reports what it watches with its answers:
+:func:`take_report`) and says which changed: a rank then looks at nothing in the usual case. A rank
+on another machine stats its own: one ``stat`` per watched module (200: some 0.1 ms where a stat
+costs 0.5 us, 0.7 ms where it costs 3.5 us).
 
 A reload happens on every rank or on none: each rank sees the same files, and every changed source
 is compiled before any is reloaded, so a syntax error reloads nothing (the cell fails on every rank,
@@ -24,7 +27,7 @@ import site
 import sys
 import sysconfig
 
-__all__ = ["AutoreloadError", "track", "reload_changed", "watched"]
+__all__ = ["AutoreloadError", "track", "reload_changed", "watched", "take_report"]
 
 
 class AutoreloadError(Exception):
@@ -43,6 +46,7 @@ _SEEN: set[str] = set()  # sys.modules' names at the last scan
 _OLD_OBJECTS: dict = {}  # superreload's record of the old functions and classes, across reloads
 _ROOTS: tuple[str, ...] | None = None
 _COUNT = -1  # len(sys.modules) at the last scan
+_REPORT: dict[str, int] = {}  # path -> mtime of files watched or reloaded since the kernel last heard
 
 
 def _installed_roots() -> tuple[str, ...]:
@@ -98,10 +102,22 @@ def track() -> None:
         try:  # a module object may be anything (a lazy loader's stand-in): never the loop's failure
             path = _user_source(module)
             if path is not None:
-                _WATCHED[name] = _Watched(module, path, os.stat(path).st_mtime_ns)
+                _WATCHED[name] = entry = _Watched(module, path, os.stat(path).st_mtime_ns)
+                _REPORT[path] = entry.mtime
         except Exception:
             continue
     _SEEN = names
+
+
+def take_report() -> tuple:
+    """``((path, mtime_ns), ...)`` of the files watched or reloaded since the last call: what this rank
+    tells the kernel with a cell's answer, so that the kernel can check them for the ranks on its
+    machine (:mod:`nbdist.session.watched_files`)."""
+    if not _REPORT:
+        return ()
+    report = tuple(_REPORT.items())
+    _REPORT.clear()
+    return report
 
 
 def watched() -> dict[str, str]:
@@ -109,18 +125,35 @@ def watched() -> dict[str, str]:
     return {name: w.path for name, w in _WATCHED.items()}
 
 
+def _mtimes_now(rule):
+    """A function ``path -> mtime_ns or None``: the kernel's word where it looked for this rank (its
+    files are the kernel's), else a ``stat`` of this rank's own."""
+    if rule.changed is not None:
+        told = dict(rule.changed)
+        return lambda path, entry: told.get(path, entry.mtime)
+
+    def stat(path, _entry):
+        try:
+            return os.stat(path).st_mtime_ns
+        except OSError:  # the file went away: nothing to reload from
+            return None
+
+    return stat
+
+
 def _changed(rule) -> list[tuple[str, _Watched, int]]:
     """The watched modules that ``rule`` reloads and whose file changed: ``(name, entry, new mtime)``."""
+    if rule.changed is not None and not rule.changed:
+        return []  # the kernel looked: nothing changed (a cell's usual case costs nothing here)
     only = frozenset(rule.modules) if rule.mode == 1 else None
     skip = frozenset(rule.skip)
     out = []
-    stat, modules = os.stat, sys.modules
-    for name, entry in _WATCHED.items():  # the cost of a cell: one stat each, little else
+    mtime_of, modules = _mtimes_now(rule), sys.modules
+    for name, entry in _WATCHED.items():  # a rank on its own: one stat each, little else
         if only is not None and name not in only or skip and name in skip:
             continue
-        try:
-            mtime = stat(entry.path).st_mtime_ns
-        except OSError:  # the file went away: nothing to reload from
+        mtime = mtime_of(entry.path, entry)
+        if mtime is None:
             continue
         if mtime != entry.mtime:
             module = modules.get(name)
@@ -128,6 +161,7 @@ def _changed(rule) -> list[tuple[str, _Watched, int]]:
                 continue
             if module is not entry.module:  # imported again under the same name: new code already
                 entry.module, entry.mtime = module, mtime
+                _REPORT[entry.path] = mtime
             else:
                 out.append((name, entry, mtime))
     return out
@@ -175,6 +209,7 @@ def reload_changed(rule) -> list[str]:
                 f"it keeps its old code and this cell did not run"
                 + (f" (reloaded before it: {', '.join(done)})" if done else "")) from exc
         entry.mtime = mtime
+        _REPORT[entry.path] = mtime
         done.append(name)
     return done
 

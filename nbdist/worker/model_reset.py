@@ -13,6 +13,7 @@ a fingerprint and named, never silently trained on.
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
@@ -83,6 +84,8 @@ def count_unfinished_ddp() -> int:
 def _fsdp_roots() -> list:
     """The root FSDP2 modules of this rank that have run (torch keeps every composable module's
     state in one weak map: no scan of the heap)."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []  # no FSDP2 model can exist; importing it to look would cost a stop 0.6 s
     try:
         from torch.distributed._composable_state import _module_state_mapping
         from torch.distributed.fsdp import FSDPModule

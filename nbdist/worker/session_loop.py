@@ -178,7 +178,7 @@ def serve_session(session_dir: str, address) -> None:
             print(data.get("text/plain", "<rich output>"))
 
     from nbdist.worker import debugger, display
-    from nbdist.worker.autoreload import track
+    from nbdist.worker.autoreload import take_report, track
 
     display.install(send_display)  # display() and plt.show() reach the notebook
     track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
@@ -215,7 +215,7 @@ def serve_session(session_dir: str, address) -> None:
         _check_collectives(None)
         debugger.install(None, None)
         track()  # the modules the cell imported, with their files' mtimes before the user can edit them
-        send(("done", rank, cell_id, kind, body, (start, _log_offsets())))
+        send(("done", rank, cell_id, kind, body, (start, _log_offsets()), take_report()))
 
 
 def _debug_channel(conn, send, rank: int, cell_id: int):

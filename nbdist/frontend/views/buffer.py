@@ -9,15 +9,18 @@ import threading
 import time
 
 from nbdist.errors import RunStoppedError, WorkerFailedError
+from nbdist.run.display_backlog import DRAW_BYTES, RECORD_DISPLAYS, DisplayBacklog, TakenDisplays
 from nbdist.run.events import TERMINAL, DisplayEvent, OutputChunk, RunEvent
 
-__all__ = ["BufferedView", "format_report_line", "FLUSH_INTERVAL", "MAX_VIEW_LINES", "MAX_BUFFERED_LINES"]
+__all__ = ["BufferedView", "format_report_line", "FLUSH_INTERVAL", "MAX_VIEW_LINES", "MAX_BUFFERED_LINES",
+           "FELL_BEHIND"]
 
 FLUSH_INTERVAL = 0.1  # at most ~10 updates a second per rank
 MAX_VIEW_LINES = 2000  # per rank; the full log stays in the run dir
 # Lines a view holds between two draws, per rank. Past it the oldest go (counted, and said where
 # they were): a view that can't keep up shows the end of the output, and memory stays bounded.
 MAX_BUFFERED_LINES = 4 * MAX_VIEW_LINES
+FELL_BEHIND = "the view fell behind"  # why a view dropped displays (TakenDisplays.dropped_note)
 
 
 def format_report_line(run) -> str:
@@ -43,7 +46,7 @@ class BufferedView:
         self._lines: dict[int, list[tuple[str, str]]] = collections.defaultdict(list)
         self._pending: dict[int, dict[str, str]] = collections.defaultdict(dict)
         self._dropped: collections.Counter = collections.Counter()
-        self._displays: list[DisplayEvent] = []
+        self._displays = DisplayBacklog(RECORD_DISPLAYS, DRAW_BYTES)  # bounded between draws, as lines are
         self._dirty_status = True
         self._ended = threading.Event()
         self._thread = None
@@ -59,7 +62,7 @@ class BufferedView:
                     self._dropped[event.rank] += drop
                 self._pending[event.rank][event.stream] = event.pending
             elif isinstance(event, DisplayEvent):
-                self._displays.append(event)
+                self._displays.add(event)
             elif isinstance(event, RunEvent):
                 self._dirty_status = True
                 if event.rank is None and event.status in TERMINAL:
@@ -76,10 +79,16 @@ class BufferedView:
                                              f"%dist_logs or {self.run.log_dir} has them all]"))
         return lines, pending, dirty
 
-    def take_displays(self) -> list[DisplayEvent]:
+    def take_displays(self) -> TakenDisplays:
+        """The rich output that came since the last draw (each rank's newest, bounded), and how many
+        bundles were dropped because the view fell behind (``dropped_note`` says it)."""
         with self._lock:
-            displays, self._displays = self._displays, []
-        return displays
+            return self._displays.take()
+
+    def displaying_ranks(self) -> set[int]:
+        """The ranks whose rich output waits to be drawn."""
+        with self._lock:
+            return self._displays.ranks()
 
     def start_flusher(self) -> None:
         """Draw from a thread (for --bg, when no cell is waiting to do it)."""

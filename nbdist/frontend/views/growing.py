@@ -15,7 +15,7 @@ import html
 import time
 
 from nbdist.errors import format_rank_set
-from nbdist.frontend.views.buffer import BufferedView, format_report_line
+from nbdist.frontend.views.buffer import FELL_BEHIND, BufferedView, format_report_line
 from nbdist.frontend.views.cell_output import show_in_cell
 
 __all__ = ["GrowingView", "fold_lines", "summarize", "GROW_AFTER_S", "QUICK_LINES"]
@@ -84,7 +84,7 @@ class GrowingView(BufferedView):
         for rank, new in lines.items():
             self._held.setdefault(rank, []).extend(new)
         first = min(self.run.global_rank(r) for r in self.run.ranks)
-        others_display = any(d.rank != first for d in self._displays)
+        others_display = bool(self.displaying_ranks() - {first})
         too_many = len(fold_lines(self._held)) > QUICK_LINES
         # A cell whose ranks wind down (one raised: its peers are released, the group re-formed) is
         # over for the user: its error says the rest, and it does not grow for the time that takes.
@@ -107,7 +107,11 @@ class GrowingView(BufferedView):
         for stream, text in fold_lines(self._held):
             (sys.stderr if stream == "stderr" else sys.stdout).write(text + "\n")
             wrote = True
-        for shown in self.take_displays():
+        taken = self.take_displays()
+        for rank in sorted(taken.dropped):
+            sys.stderr.write(taken.dropped_note(rank, FELL_BEHIND) + "\n")
+            wrote = True
+        for shown in taken.events:
             if not show_in_cell(shown):
                 sys.stdout.write(f"[{shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")
                 wrote = True

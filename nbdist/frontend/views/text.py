@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from nbdist.frontend.views.buffer import BufferedView, format_report_line
+from nbdist.frontend.views.buffer import FELL_BEHIND, BufferedView, format_report_line
 from nbdist.frontend.views.cell_output import show_in_cell
 
 __all__ = ["TextView"]
@@ -26,7 +26,10 @@ class TextView(BufferedView):
         for rank in sorted(lines):
             for stream, line in lines[rank]:
                 out.append(f"[rank {rank}{'!' if stream == 'stderr' else ''}] {line}\n")
-        for shown in self.take_displays():
+        taken = self.take_displays()
+        for rank in sorted(taken.dropped):
+            out.append(f"[rank {rank}!] {taken.dropped_note(rank, FELL_BEHIND)}\n")
+        for shown in taken.events:
             if shown.rank == self._first_rank() and self._in_cell and show_in_cell(shown):
                 continue  # rank 0's rich output is the cell's own, as it would be in the kernel
             out.append(f"[rank {shown.rank}] {shown.data.get('text/plain', '<rich output>')}\n")

@@ -9,9 +9,10 @@ import html
 import threading
 import time
 
-from nbdist.frontend.views.buffer import MAX_VIEW_LINES, BufferedView, format_report_line
+from nbdist.frontend.views.buffer import FELL_BEHIND, MAX_VIEW_LINES, BufferedView, format_report_line
 from nbdist.frontend.views.cell_output import show_in_cell, strip_ansi
 from nbdist.frontend.views.probes import rank_memory
+from nbdist.run.display_backlog import RECORD_DISPLAYS
 from nbdist.run.events import TERMINAL
 
 __all__ = ["WidgetView", "BADGE_COLOURS", "SYMBOLS"]
@@ -47,6 +48,13 @@ class WidgetView(BufferedView):
         self.output_all = w.Output(layout=w.Layout(**out_layout))
         self.live = {r: w.HTML(layout=w.Layout(min_height="1.4em")) for r in self._ranks}
         self.live_all = w.HTML(layout=w.Layout(min_height="1.4em"))
+        # A rank's rich output: one small Output widget per bundle, so a new one is appended (the
+        # box's children travel as model ids) and nothing shown is sent again; the last
+        # RECORD_DISPLAYS per rank stay, the older are closed.
+        self.display_boxes = {r: w.VBox() for r in self._ranks}
+        self.display_notes = {r: w.HTML() for r in self._ranks}
+        self._tab_displays: dict[int, collections.deque] = {r: collections.deque() for r in self._ranks}
+        self._tab_hidden: collections.Counter = collections.Counter()
         self.badges = {r: w.HTML() for r in self._ranks}
         self.title = w.HTML()
         self.footer = w.HTML()
@@ -57,7 +65,8 @@ class WidgetView(BufferedView):
         note = w.HTML(f"<span style='color:#5f6368;font-size:11px'>view keeps the last {MAX_VIEW_LINES} lines per "
                       f"rank; full logs: <code>{html.escape(run.log_dir)}</code></span>")
         tabs = [w.VBox([self.output_all, self.live_all])]
-        tabs += [w.VBox([self.badges[r], self.outputs[r], self.live[r]]) for r in self._ranks]
+        tabs += [w.VBox([self.badges[r], self.outputs[r], self.live[r], self.display_notes[r], self.display_boxes[r]])
+                 for r in self._ranks]
         self.tabs = w.Tab(children=tabs)
         self._set_titles()
         header = w.HBox([self.title, self.kill_button],
@@ -181,16 +190,41 @@ class WidgetView(BufferedView):
         value = self._live_html("\n".join(live_all))
         if self.live_all.value != value:
             self.live_all.value = value
-        for shown in self.take_displays():
-            first = shown.rank == self._ranks[0]
-            if not (first and self._in_cell and show_in_cell(shown)) and shown.rank in self.outputs:
-                out = self.outputs[shown.rank]  # other ranks' rich output goes into their tab
-                out.outputs = (*out.outputs, {"output_type": "display_data", "data": shown.data,
-                                              "metadata": shown.metadata})
+        self._draw_displays()
         now = time.monotonic()
         if dirty or final or now - self._last_status_draw > 1.0:
             self._last_status_draw = now
             self._draw_status()
+
+    def _draw_displays(self) -> None:
+        """Rank 0's rich output into the cell (as the kernel would show it), the others' into their tab."""
+        taken = self.take_displays()
+        for rank in sorted(taken.dropped):
+            if rank in self.outputs:
+                self._append(self.outputs[rank], self._shown[rank], [("stderr", taken.dropped_note(rank, FELL_BEHIND))])
+        by_rank = collections.defaultdict(list)
+        for shown in taken.events:
+            first = shown.rank == self._ranks[0]
+            if not (first and self._in_cell and show_in_cell(shown)) and shown.rank in self.outputs:
+                by_rank[shown.rank].append(shown)
+        for rank, events in by_rank.items():
+            self._append_to_tab(rank, events)
+
+    def _append_to_tab(self, rank: int, events) -> None:
+        kept = self._tab_displays[rank]
+        for shown in events[-RECORD_DISPLAYS:]:
+            bundle = {"output_type": "display_data", "data": shown.data, "metadata": shown.metadata}
+            kept.append(self.w.Output(outputs=(bundle,)))
+        hidden = len(events) - min(len(events), RECORD_DISPLAYS)  # never drawn: not sent at all
+        while len(kept) > RECORD_DISPLAYS:
+            kept.popleft().close()  # its model goes from the kernel and the page
+            hidden += 1
+        self.display_boxes[rank].children = tuple(kept)
+        if hidden:
+            self._tab_hidden[rank] += hidden
+            self.display_notes[rank].value = (
+                f"<span style='color:#5f6368;font-size:11px'>this tab keeps rank {rank}'s last {RECORD_DISPLAYS} "
+                f"displays; {self._tab_hidden[rank]:,} earlier not shown</span>")
 
     def _on_kill(self, _button) -> None:
         self.kill_button.disabled = True
