@@ -75,6 +75,7 @@ class CellHandle(EventSource):
         self.results: dict[int, object] = {}
         self.failures: dict[int, RankFailure] = {}
         self.interrupted: set[int] = set()
+        self.restored: dict[int, tuple] = {}  # rank -> torch modes it put back as the cell found them
         self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
         self.error: BaseException | None = None
         self.stop_requested = False  # the stop button, a timeout or a peer's failure asked to stop it
@@ -231,6 +232,8 @@ class CellHandle(EventSource):
                     kind, body = "failed", _unloadable(rank, exc)
             if kind == "interrupted":
                 self.interrupted.add(rank)
+                if body:  # the stop landed where torch was about to restore a mode: the rank put it back
+                    self.restored[rank] = tuple(body.get("restored", ()))
             elif kind == "failed":
                 self.failures[rank] = RankFailure.from_record(rank, pid, body)
             self._set_rank(rank, kind)
@@ -254,6 +257,8 @@ class CellHandle(EventSource):
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
+                if self.restored:
+                    self.report += "; " + _restored_note(self.restored)
                 if self.note:
                     self.report += f"; {self.note}"
                 self.error = RunStoppedError("interrupted", results, self.cell_dir, self.report)
@@ -305,6 +310,15 @@ class CellHandle(EventSource):
         """
         self.incarnation.interrupt_cell(self)
         self._done.wait(60)  # the ranks answered; the session brings them in step, then the cell ends
+
+
+def _restored_note(restored: dict) -> str:
+    """``"rank 1 put back grad mode on, as the cell found it"``: torch modes the stop left changed."""
+    by_modes: dict[tuple, list[int]] = {}
+    for rank, modes in sorted(restored.items()):
+        by_modes.setdefault(modes, []).append(rank)
+    parts = [f"{format_rank_set(ranks)} put back {', '.join(modes)}" for modes, ranks in by_modes.items()]
+    return "; ".join(parts) + " as the cell found it (a stop skips the code that would have restored it)"
 
 
 def _unloadable(rank: int, exc: Exception) -> dict:

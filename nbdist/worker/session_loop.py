@@ -179,6 +179,7 @@ def serve_session(session_dir: str, address) -> None:
 
     from nbdist.worker import debugger, display
     from nbdist.worker.autoreload import take_report, track
+    from nbdist.worker.torch_modes import note_modes, restore_modes
 
     display.install(send_display)  # display() and plt.show() reach the notebook
     track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
@@ -202,6 +203,7 @@ def serve_session(session_dir: str, address) -> None:
         running.enter(cell_id, cell_dir)
         _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
         debugger.install(*_debug_channel(conn, send, rank, cell_id))
+        modes = note_modes()  # grad mode, inference mode, autocast: a stop may land where they are restored
         try:
             kind, body = _run_one(cell_dir, rank, payload, cell_options.get("autoreload"))
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -211,6 +213,9 @@ def serve_session(session_dir: str, address) -> None:
             from nbdist.worker.exceptions import describe_exception
 
             kind, body = "failed", describe_exception(exc)
+        if kind == "interrupted":
+            restored = restore_modes(modes)
+            body = {"restored": restored} if restored else None
         running.leave()
         _check_collectives(None)
         debugger.install(None, None)
