@@ -215,7 +215,7 @@ class WidgetView(BufferedView):
         for shown in events[-RECORD_DISPLAYS:]:
             bundle = {"output_type": "display_data", "data": shown.data, "metadata": shown.metadata}
             kept.append(self.w.Output(outputs=(bundle,)))
-        hidden = len(events) - min(len(events), RECORD_DISPLAYS)  # never drawn: not sent at all
+        hidden = max(0, len(events) - RECORD_DISPLAYS)  # never drawn: not sent at all
         while len(kept) > RECORD_DISPLAYS:
             kept.popleft().close()  # its model goes from the kernel and the page
             hidden += 1
