@@ -125,6 +125,98 @@ def _print_autoreload(n: int, cost: dict) -> None:
           f"difference {med(paired) * ms:+.2f} ms (median of {len(paired)}; goal <= 1 ms)")
 
 
+def _stop_figures(k, repeat: int, drift_stops: int = 0) -> dict:
+    """The stop button, until the kernel answers (the ranks idle, their state kept): in a loop
+    without collectives; while rank 1 waits in DDP's backward for rank 0, asleep in Python (the
+    deadline stops rank 0 where it is, rank 1 is released, the group re-formed); with every rank
+    stuck in a recv; and ``drift_stops`` times in a DDP training loop at random moments, counting
+    the stops after which the replicas differ."""
+    # The stop button on a busy cell: until the kernel answers, the ranks idle, their state kept.
+    stops = _stop_times(k, "%%distributed --view text\nimport time\nwhile True:\n    time.sleep(0.001)",
+                        "state kept", repeat)
+    assert k.run("%%distributed --view text\nx").result == "1"
+
+    # The stop button while rank 1 waits in DDP's backward for rank 0 (asleep in Python).
+    res = k.run("%%distributed --view text\nimport pathlib\n"
+                "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))\n"
+                "def step():\n    model(torch.randn(32, 64)).sum().backward()")
+    assert res.status == "ok", res.error_text
+    stuck_stops, reforms = [], []
+    for i in range(repeat):
+        marker = f"/tmp/nbdist-bench-asleep-{os.getpid()}-{i}"
+        msg = k.send(f"%%distributed --view text\nfor i in range(10**6):\n    if i == 5 and dist.get_rank() == 0:\n"
+                     f"        pathlib.Path({marker!r}).touch()\n        time.sleep(600)\n    step()")
+        while not os.path.exists(marker):
+            time.sleep(0.01)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        k.km.interrupt_kernel()
+        res = k.collect(msg, timeout=30)
+        assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
+        stuck_stops.append(time.monotonic() - t0)
+        reforms.append(float(res.error_text.split("re-formed in place in ")[1].split(" ms")[0]) / 1e3)
+        os.remove(marker)
+    raises = []
+    for _ in range(repeat):
+        res = k.run("%%distributed --view text\nif dist.get_rank() == 1:\n    time.sleep(0.3)\n"
+                    "    raise ValueError('bad shard')\ndist.barrier()")
+        assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
+        raises.append(res.seconds - 0.3)
+    # The stop button with every rank stuck (each in a recv from the next): no rank is free to
+    # release the others, so each cuts its own connections.
+    all_stuck = _stop_times(k, "%%distributed --view text\nr = torch.zeros(1)\n"
+                               "dist.recv(r, src=(dist.get_rank() + 1) % dist.get_world_size())",
+                            "each cutting its own connections", 3)
+    out = dict(stops=stops, stuck_stops=stuck_stops, reforms=reforms, raises=raises, all_stuck=all_stuck)
+    if drift_stops:
+        out.update(_drift_figures(k, drift_stops))
+    return out
+
+
+def _drift_figures(k, count: int) -> dict:
+    """Stop a 4-layer DDP loop with Adam ``count`` times after a seeded random delay; after each,
+    compare the ranks' parameters and Adam step counts. Returns the stop times and the drifts."""
+    res = k.run("%%distributed --view text\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"
+                "torch.manual_seed(0)\nnet = DDP(torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]))\n"
+                "adam = torch.optim.Adam(net.parameters())\nxs = torch.randn(32, 64)\n"
+                "def train():\n    adam.zero_grad()\n    net(xs).sum().backward()\n    adam.step()\n"
+                "def fingerprint():\n    with torch.no_grad():\n"
+                "        return (sum(p.double().sum() for p in net.parameters()).item(),\n"
+                "                sum(float(s['step']) for s in adam.state.values()))\ntrain()")
+    assert res.status == "ok", res.error_text
+    rng, took, drifts = random.Random(0), [], 0
+    for _ in range(count):
+        msg = k.send("%%distributed --view text\nwhile True:\n    train()")
+        time.sleep(rng.uniform(0.05, 1.2))
+        t0 = time.monotonic()
+        k.km.interrupt_kernel()
+        k.collect(msg, timeout=30)
+        took.append(time.monotonic() - t0)
+        prints = k.run("from nbdist.frontend.session_magics import live_session as _ls\n"
+                       "len(set(_ls().execute('fingerprint()').values()))")
+        drifts += prints.result != "1"
+        if prints.result != "1":  # in step again for the next stop: rank 0's parameters, a fresh Adam
+            k.run("_ls().execute('for p in net.parameters():\\n    dist.broadcast(p.data, src=0)\\n"
+                  "adam = torch.optim.Adam(net.parameters())\\ntrain()')")
+    return {"train_stops": took, "drifts": drifts, "drift_stops": count}
+
+
+def _print_stops(n: int, f: dict) -> None:
+    med, ms = statistics.median, 1e3
+    print(f"  stop button -> ranks idle, state kept       {med(f['stops']) * ms:7.1f} ms (a loop without collectives; "
+          f"median of {len(f['stops'])})")
+    print(f"  stop button, a rank stuck in DDP backward   {med(f['stuck_stops']) * ms:7.1f} ms to idle, of which "
+          f"re-forming the group {med(f['reforms']) * ms:.1f} ms (median of {len(f['stuck_stops'])})")
+    print(f"  stop button, every rank stuck in a recv     {med(f['all_stuck']) * ms:7.1f} ms to idle (each cut its own "
+          f"connections; median of {len(f['all_stuck'])})")
+    print(f"  a rank raises, its peers in a collective    {med(f['raises']) * ms:7.1f} ms to the error, group re-formed "
+          f"(goal <= 2000 ms)")
+    if "drifts" in f:
+        print(f"  stop button in a DDP+Adam training loop     {med(f['train_stops']) * ms:7.1f} ms to idle (max "
+              f"{max(f['train_stops']) * ms:.0f}); replicas apart after {f['drifts']} of {f['drift_stops']} stops "
+              f"(goal 0)")
+
+
 def main() -> None:
     import psutil
     from kernel_client import Kernel
@@ -133,9 +225,26 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--nprocs", type=int, default=4)
     parser.add_argument("--autoreload-only", action="store_true", help="only what %%autoreload costs a session cell")
+    parser.add_argument("--stops-only", action="store_true", help="only the stop button's figures")
+    parser.add_argument("--drift-stops", type=int, default=20, help="stops of a DDP training loop, for drift")
     args = parser.parse_args()
     n, r, med = args.nprocs, args.repeat, statistics.median
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if args.stops_only:
+        k = Kernel(env=env)
+        try:
+            assert k.run("%load_ext nbdist").status == "ok"
+            k.run("import nbdist.warmstart.handle\nnbdist.warmstart.handle.current_template().wait_ready(120)")
+            assert k.run(f"%dist_start -n {n}").status == "ok"
+            k.run("from nbdist.frontend.session_magics import live_session\nlive_session().wait_ready(120)")
+            assert k.run("%%distributed --view text\nimport torch, torch.distributed as dist\nx = 1").status == "ok"
+            stop = _stop_figures(k, 5, args.drift_stops)
+            k.run("%dist_stop")
+        finally:
+            k.shutdown()
+        print(f"{n} ranks, the stop button through a real kernel")
+        _print_stops(n, stop)
+        return
     if args.autoreload_only:
         k = Kernel(env=env)
         try:
@@ -177,42 +286,7 @@ def main() -> None:
         sess_reduce, px_trivial, px_local = times["reduce"], times["px"], times["px_local"]
         over = [s - p for s, p in zip(sess_trivial, plain)]  # paired, round by round
 
-        # The stop button on a busy cell: until the kernel answers, the ranks idle, their state kept.
-        stops = _stop_times(k, "%%distributed --view text\nimport time\nwhile True:\n    time.sleep(0.001)",
-                            "state kept", 5)
-        assert k.run("%%distributed --view text\nx").result == "1"
-
-        # The stop button while rank 1 waits in DDP's backward for rank 0 (asleep in Python).
-        res = k.run("%%distributed --view text\nimport pathlib\n"
-                    "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))\n"
-                    "def step():\n    model(torch.randn(32, 64)).sum().backward()")
-        assert res.status == "ok", res.error_text
-        stuck_stops, reforms = [], []
-        for i in range(5):
-            marker = f"/tmp/nbdist-bench-asleep-{os.getpid()}-{i}"
-            msg = k.send(f"%%distributed --view text\nfor i in range(10**6):\n    if i == 5 and dist.get_rank() == 0:\n"
-                         f"        pathlib.Path({marker!r}).touch()\n        time.sleep(600)\n    step()")
-            while not os.path.exists(marker):
-                time.sleep(0.01)
-            time.sleep(0.2)
-            t0 = time.monotonic()
-            k.km.interrupt_kernel()
-            res = k.collect(msg, timeout=30)
-            assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
-            stuck_stops.append(time.monotonic() - t0)
-            reforms.append(float(res.error_text.split("re-formed in place in ")[1].split(" ms")[0]) / 1e3)
-            os.remove(marker)
-        raises = []
-        for _ in range(5):
-            res = k.run("%%distributed --view text\nif dist.get_rank() == 1:\n    time.sleep(0.3)\n"
-                        "    raise ValueError('bad shard')\ndist.barrier()")
-            assert res.status == "error" and "re-formed in place" in res.error_text, res.error_text
-            raises.append(res.seconds - 0.3)
-        # The stop button with every rank stuck (each in a recv from the next): no rank is free to
-        # release the others, so each cuts its own connections.
-        all_stuck = _stop_times(k, "%%distributed --view text\nr = torch.zeros(1)\n"
-                                   "dist.recv(r, src=(dist.get_rank() + 1) % dist.get_world_size())",
-                                "each cutting its own connections", 3)
+        stop = _stop_figures(k, 5, args.drift_stops)
         # The forwarding: one small all_reduce through the session's group and through its inner group.
         res = k.run("%%distributed --view text\nimport time as _t\ng = dist.distributed_c10d._get_default_group()\n"
                     "def per_call(fn, n=2000):\n    dist.barrier()\n    t0 = _t.perf_counter()\n"
@@ -246,13 +320,7 @@ def main() -> None:
     print(f"  ipyparallel %px 'x = 1' on {n} engines        {med(px_trivial) * ms:7.1f} ms"
           f"   session is {med(px_trivial) / med(sess_trivial):4.1f}x faster (goal >= 2x)")
     print(f"  ipyparallel %px, a local tensor op          {med(px_local) * ms:7.1f} ms")
-    print(f"  stop button -> ranks idle, state kept       {med(stops) * ms:7.1f} ms (median of {len(stops)})")
-    print(f"  stop button, a rank stuck in DDP backward   {med(stuck_stops) * ms:7.1f} ms to idle, of which "
-          f"re-forming the group {med(reforms) * ms:.1f} ms (median of {len(stuck_stops)})")
-    print(f"  stop button, every rank stuck in a recv     {med(all_stuck) * ms:7.1f} ms to idle (each cut its own "
-          f"connections; median of {len(all_stuck)})")
-    print(f"  a rank raises, its peers in a collective    {med(raises) * ms:7.1f} ms to the error, group re-formed "
-          f"(goal <= 2000 ms)")
+    _print_stops(n, stop)
     print(f"  all_reduce of 16 floats, rank 0: {outer * 1e6:.1f} us through the session's group, "
           f"{inner * 1e6:.1f} us on its inner gloo group (forwarding +{(outer - inner) * 1e6:.1f} us)")
     print(f"  idle session: {idle_cpu:.3f} CPU-seconds over 5 s for {n} ranks")

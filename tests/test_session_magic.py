@@ -44,6 +44,15 @@ def test_a_session_keeps_the_model_between_cells_and_shows_each_cells_output(ker
     res = kernel.run("%%distributed --view text --ranks 1\nprint('only', dist.get_rank())\ndist.get_rank()")
     assert res.status == "ok" and res.result == "1" and "[rank 1] only 1" in res.stdout and "[rank 0]" not in res.stdout
     assert kernel.run("type(_dist).__name__").result == "'CellHandle'"
+    # A --ranks cell moved rank 1's replica alone; %dist_sync brings it back to rank 0's.
+    kernel.run("%%distributed --view text --ranks 1\nwith torch.no_grad():\n    model.module.weight.add_(1)")
+    res = kernel.run("%dist_sync")
+    assert res.status == "ok" and "re-synced 1 DDP model" in res.stdout and "from rank 0" in res.stdout, res.stdout
+    res = kernel.run("%%distributed --view text\nround(model.module.weight.sum().item(), 6)")
+    assert "[rank 0]" not in res.stdout and res.status == "ok"
+    res = kernel.run("from nbdist.frontend.session_magics import live_session as _ls\n"
+                     "len(set(_ls().execute('model.module.weight.sum().item()').values()))")
+    assert res.result == "1", res.result
     # A notebook variable of a name the ranks defined does not overwrite the ranks' own.
     kernel.run("model = 'the notebook has its own model'")
     res = kernel.run("%%distributed --view text\ntype(model).__name__")

@@ -54,7 +54,6 @@ def fsdp_step():
     fsdp_opt.step()
     return loss.item()
 """
-RESYNC = "for p in ddp.parameters():\n    dist.broadcast(p.data, src=0)"
 
 
 class WalkFailed(AssertionError):
@@ -173,13 +172,27 @@ class SessionWalk:
             self.session.execute(DDP if kind == "ddp" else FSDP, timeout=60)
             self.models.add(kind)
         cell = self.session.execute(f"while True:\n    {kind}_step()", join=False)
-        self._stop(cell, self.rng.uniform(0.05, 1.5))
+        said = self._stop(cell, self.rng.uniform(0.05, 1.5))
+        # Every rank stopped at the same collective: the replicas are equal, and every rank trains.
+        assert "differ" not in said, f"a stop in a {kind} loop left the replicas apart: {said}"
+        before = self._replicas(kind)
         losses = self.session.execute(f"[{kind}_step() for _ in range(3)][-1]", timeout=60)
         assert all(v == v for v in losses.values()), f"{kind} trains on after the stop: {losses}"
+        after = self._replicas(kind)
+        assert after != before, f"every rank trained after the stop ({said}): {before} -> {after}"
         assert self.session.execute("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()", timeout=30) == \
             {r: float(self.nprocs) for r in self.ranks}
 
-    def _stop(self, cell, delay: float) -> None:
+    def _replicas(self, kind: str):
+        """What must be equal on every rank: a DDP model's parameters (bit-equal: its SGD has no steps to
+        count); of an FSDP2 model (whose shards differ by design), its Adam's steps. Fails if they differ."""
+        code = ("sum(p.double().sum().item() for p in ddp.parameters())" if kind == "ddp"
+                else "sorted({float(s['step']) for s in fsdp_opt.state.values()})")
+        held = self.session.execute(code, timeout=30)
+        assert len(set(map(repr, held.values()))) == 1, f"the {kind} replicas differ between ranks: {held}"
+        return held[0]
+
+    def _stop(self, cell, delay: float) -> str:
         time.sleep(delay)  # from the send: on a busy box the stop may come before a rank began the cell
         t0 = time.monotonic()
         cell.interrupt()
@@ -187,14 +200,16 @@ class SessionWalk:
             cell.wait(30)
         except RunStoppedError as exc:
             assert "idle again, their state kept" in str(exc), str(exc)
-            self._resync_if_told(str(exc.report))
+            said = str(exc.report)
+            self._resync_if_told(said)
         else:
             raise AssertionError("a stopped cell did not say it was stopped")
         assert time.monotonic() - t0 < 8.0, f"the stop took {time.monotonic() - t0:.1f} s"
+        return said
 
     def _resync_if_told(self, said: str) -> None:
-        if "now differ between ranks" in said:
-            self.session.execute(RESYNC, timeout=30)
+        if "now differ between ranks" in said:  # what the message offers: %dist_sync
+            assert "re-synced 1 DDP model" in self.session.sync(self.rng.choice(self.ranks))
 
     def time_out(self) -> None:
         limit = self.rng.uniform(0.3, 1.5)

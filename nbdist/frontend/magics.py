@@ -1,5 +1,5 @@
 """IPython front end: ``%%distributed``, ``%dist_ps``, ``%dist_kill`` and ``%dist_logs``; the session
-magics (``%dist_start``, ``%dist_stop``, ``%dist_restart``, ``%dist_stacks``) are thin methods over
+magics (``%dist_start``, ``%dist_stop``, ``%dist_restart``, ``%dist_stacks``, ``%dist_sync``) are thin methods over
 :mod:`nbdist.frontend.session_magics`.
 
 Thin, like ipyparallel's magics: parse options with ``magic_arguments``, turn the cell into a
@@ -275,6 +275,28 @@ class DistributedMagics(Magics):
         from nbdist.frontend.session_magics import debug_last_failure
 
         debug_last_failure(self.shell, parse_argstring(self.dist_debug, line).rank)
+
+    @magic_arguments()
+    @argument("--from", dest="src", type=int, default=0, help="the rank whose replica every rank takes (default 0)")
+    @line_magic
+    def dist_sync(self, line):
+        """``%dist_sync [--from R]``: re-sync the session's DDP replicas and their optimizers from one rank.
+
+        After a stop or a ``--ranks`` cell left the replicas apart (the cell's message says so):
+        parameters, buffers, every optimizer's state (Adam's moments and step) and its settings come
+        from rank R. The ranks compare the structure first and change nothing where it differs; a
+        rank whose optimizer has no state yet gets R's.
+
+        Examples
+        --------
+        ::
+
+            %dist_sync
+            %dist_sync --from 1
+        """
+        from nbdist.frontend.session_magics import sync_replicas
+
+        print(sync_replicas(parse_argstring(self.dist_sync, line).src))
 
     @line_magic
     def dist_stacks(self, line):

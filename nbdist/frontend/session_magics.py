@@ -26,7 +26,7 @@ from nbdist.session.handle import Session
 from nbdist.worker.cell import run_cell
 
 __all__ = ["live_session", "start_session", "stop_session", "restart_session", "show_stacks", "has_stdin", "debug_last_failure",
-           "launch_session_cell", "kernel_autoreload", "cell_autoreload", "set_autoreload"]
+           "launch_session_cell", "kernel_autoreload", "cell_autoreload", "set_autoreload", "sync_replicas"]
 
 _SESSION: Session | None = None
 MAGIC_RESTART_HINT = "%dist_restart brings new ranks"
@@ -107,6 +107,19 @@ def debug_last_failure(shell, rank: int | None = None) -> None:
         return
     if not handle.wait().get(rank):
         print(f"nbdist: rank {rank} has no failed cell to debug (a rank keeps its last failure until its next cell)")
+
+
+def sync_replicas(src: int) -> str:
+    """``%dist_sync``: the live session's DDP replicas and their optimizers, re-synced from rank ``src``."""
+    session = live_session()
+    if session is None or session.status != "idle":
+        raise UsageError("%dist_sync re-syncs an idle session's ranks (%dist_start); "
+                         + ("wait for its cell, or stop it" if session is not None and session.status == "busy"
+                            else "there is none now"))
+    try:
+        return session.sync(src)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def show_stacks() -> None:

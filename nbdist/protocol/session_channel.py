@@ -18,7 +18,8 @@ import contextlib
 import pickle
 from dataclasses import dataclass
 
-__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay",
+__all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "STOP_COUNTS_FILE",
+           "STOP_POINT_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay",
            "load_value", "Autoreload"]
 
 
@@ -63,6 +64,9 @@ CUT_REQUEST = "cut"  # the file, in a cell's dir, by which the kernel asks the r
 STOP_REQUEST = "stop"
 # Where a rank, asked by COLLECTIVES_SIGNAL, writes what it waits in (in the running cell's dir).
 COLLECTIVES_FILE = "collectives.{rank}.json"
+# A stop at the same collective on every rank: each busy rank's counts per group, then the kernel's point.
+STOP_COUNTS_FILE = "stop-counts.{rank}.json"
+STOP_POINT_FILE = "stop-point.json"
 
 
 def load_value(body):

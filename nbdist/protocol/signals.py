@@ -10,7 +10,8 @@ import ctypes
 import os
 import signal
 
-__all__ = ["PARENT_DIED_SIGNAL", "STACK_DUMP_SIGNAL", "CUT_SIGNAL", "COLLECTIVES_SIGNAL", "set_pdeathsig",
+__all__ = ["PARENT_DIED_SIGNAL", "STACK_DUMP_SIGNAL", "CUT_SIGNAL", "COLLECTIVES_SIGNAL", "STOP_POINT_SIGNAL",
+           "RANK_THREAD_SIGNALS", "set_pdeathsig",
            "tie_to_kernel", "dump_signal_held"]
 
 # prctl(2)'s option number: ask the kernel for a signal when the parent thread dies.
@@ -35,6 +36,13 @@ CUT_SIGNAL = signal.SIGRTMIN + 6 if hasattr(signal, "SIGRTMIN") else None
 # A session rank writes the collectives it waits in (its flight recorder) into the running cell's
 # dir on this one; the same thread as the cut's takes it, blocked everywhere else the same way.
 COLLECTIVES_SIGNAL = signal.SIGRTMIN + 7 if hasattr(signal, "SIGRTMIN") else None
+
+# A stop that every rank obeys at the same collective (nbdist.worker.stop_point): the first one asks
+# a busy rank for its collective counts, the second says the point. The same thread takes it.
+STOP_POINT_SIGNAL = signal.SIGRTMIN + 8 if hasattr(signal, "SIGRTMIN") else None
+
+# What that thread waits for, blocked in every other thread of a rank from its start.
+RANK_THREAD_SIGNALS = {CUT_SIGNAL, COLLECTIVES_SIGNAL, STOP_POINT_SIGNAL} if CUT_SIGNAL is not None else set()
 
 
 def set_pdeathsig(sig: int) -> bool:

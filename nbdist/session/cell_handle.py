@@ -22,6 +22,7 @@ from nbdist.errors import RankFailure, RunStoppedError, SessionLostError, Worker
 from nbdist.run.display_backlog import DisplayBacklog
 from nbdist.run.events import DisplayEvent, EventSource, OutputChunk, RankStatus, RunEvent
 from nbdist.run.retention import discard_data
+from nbdist.session.replica_check import describe_stop_point
 
 __all__ = ["CellHandle", "DebugStop"]
 
@@ -76,6 +77,10 @@ class CellHandle(EventSource):
         self.failures: dict[int, RankFailure] = {}
         self.interrupted: set[int] = set()
         self.restored: dict[int, tuple] = {}  # rank -> torch modes it put back as the cell found them
+        self.agreed = None  # the stop point the ranks agreed on (nbdist.session.agreed_stop), if any
+        self.stopped_before: dict[int, str] = {}  # rank -> the collective it stopped before (the point)
+        self.stopped_anywhere: list[int] = []  # ranks still busy when the stop's window closed: stopped where they were
+        self.behind: list[int] = []  # of those, the ones that had not reached the stop point
         self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
         self.error: BaseException | None = None
         self.stop_requested = False  # the stop button, a timeout or a peer's failure asked to stop it
@@ -232,8 +237,10 @@ class CellHandle(EventSource):
                     kind, body = "failed", _unloadable(rank, exc)
             if kind == "interrupted":
                 self.interrupted.add(rank)
-                if body:  # the stop landed where torch was about to restore a mode: the rank put it back
-                    self.restored[rank] = tuple(body.get("restored", ()))
+                if body and body.get("restored"):  # the stop landed where torch restores a mode: put back
+                    self.restored[rank] = tuple(body["restored"])
+                if body and body.get("stopped_before"):
+                    self.stopped_before[rank] = body["stopped_before"]
             elif kind == "failed":
                 self.failures[rank] = RankFailure.from_record(rank, pid, body)
             self._set_rank(rank, kind)
@@ -257,6 +264,10 @@ class CellHandle(EventSource):
             elif self.interrupted:
                 self.status = "interrupted"
                 self.report = f"{format_rank_set(self.targets)} idle again, their state kept"
+                if self.stopped_before or self.stopped_anywhere:
+                    window = self.agreed.window if self.agreed is not None else None
+                    self.report += "; " + describe_stop_point(self.stopped_before, self.stopped_anywhere, self.behind,
+                                                               window)
                 if self.restored:
                     self.report += "; " + _restored_note(self.restored)
                 if self.note:

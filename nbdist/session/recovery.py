@@ -20,8 +20,10 @@ from nbdist.errors import SessionLostError, format_rank_set
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import CUT_REQUEST, STOP_REQUEST
 from nbdist.protocol.signals import CUT_SIGNAL
+from nbdist.session.agreed_stop import agree_stop_point
 from nbdist.session.collectives import ask_open_collectives, describe_open_collectives
 from nbdist.session.peers import announce_stop
+from nbdist.session.replica_check import describe_drift
 from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
 
 __all__ = ["stop_cell", "interrupt_ranks", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
@@ -48,7 +50,12 @@ def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
         return
     cell.stop_requested = True
     announce_stop(inc, cell)  # a session across kernels: the other nodes stop their part too
-    busy = cell.busy_ranks()
+    cell.agreed = agree_stop_point(inc, cell)  # every rank stops before the same collective...
+    if cell.agreed is not None and cell.answered.wait(cell.agreed.window):
+        return
+    busy = cell.busy_ranks()  # ...but the deadline wins: these are stopped where they are
+    if cell.agreed is not None and cell.agreed.window > 0:  # (none: each waits in an op that can't complete)
+        cell.stopped_anywhere, cell.behind = list(busy), cell.agreed.behind(busy)
     interrupt_ranks(cell, inc.local_pids(busy))
     if not busy or cell.answered.wait(release_after):
         return
@@ -187,7 +194,8 @@ def bring_in_step(inc, cell) -> str | None:
     if not answers:
         return None  # no process group: nothing can be out of step
     counts = {r: a[1] for r, a in answers.items()}
-    replicas = _replicas_note({r: a[3] for r, a in answers.items()})
+    replicas = describe_drift({r: a[3] for r, a in answers.items()}, {r: a[4] for r, a in answers.items()},
+                              cell.stopped_anywhere)
     in_step = len({tuple(sorted(c.items())) for c in counts.values()}) == 1
     if in_step and not cell.released and not across:
         if any(a[2] for a in answers.values()):  # a step stopped half-way: the next one would not pair up
@@ -210,18 +218,6 @@ def bring_in_step(inc, cell) -> str | None:
     note = f"the process group was re-formed in place{where} in {ms:.0f} ms"
     note = (f"{cell.stopped_by}; {note}" if cell.stopped_by else f"{note} ({why})") + "; models, optimizers and data are kept"
     return note + ("; " + replicas if replicas else "")
-
-
-def _replicas_note(prints: dict) -> str:
-    """DDP replicas that differ now (a rank took an optimizer step its peers did not): say which."""
-    models = max((len(p) for p in prints.values()), default=0)
-    differ = [i for i in range(models) if len({p[i] if i < len(p) else None for p in prints.values()}) > 1]
-    if not differ:
-        return ""
-    which = ", ".join(f"#{i + 1}" for i in differ)
-    return (f"the replicas of DDP model {which} (in the order the cells built them) now differ between ranks, "
-            f"which stopped at different steps: re-sync them from rank 0 before training on "
-            f"(for p in model.parameters(): dist.broadcast(p.data, src=0))")
 
 
 def catch_up(inc) -> None:

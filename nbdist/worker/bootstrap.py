@@ -17,7 +17,7 @@ import time
 
 from nbdist.protocol import rundir
 from nbdist.protocol.rundir import RankIdentity, RunSpec
-from nbdist.protocol.signals import (COLLECTIVES_SIGNAL, CUT_SIGNAL, PARENT_DIED_SIGNAL, STACK_DUMP_SIGNAL,
+from nbdist.protocol.signals import (RANK_THREAD_SIGNALS, CUT_SIGNAL, PARENT_DIED_SIGNAL, STACK_DUMP_SIGNAL,
                                      set_pdeathsig)
 from nbdist.worker.exceptions import describe_exception
 
@@ -101,7 +101,7 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
     parent = os.getppid()
     expected_parent = parent_pid or spec.parent_pid
     if CUT_SIGNAL is not None:  # before any thread starts: every one (torch's too) inherits the block
-        signal.pthread_sigmask(signal.SIG_BLOCK, {CUT_SIGNAL, COLLECTIVES_SIGNAL})
+        signal.pthread_sigmask(signal.SIG_BLOCK, RANK_THREAD_SIGNALS)
     if own_group:
         try:
             os.setsid()

@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
-from nbdist.worker import flight_recorder
+from nbdist.worker import flight_recorder, stop_point
 from nbdist.worker.model_reset import reset_models, track_ddp_models
+from nbdist.worker.optimizer_steps import track_optimizer_steps
 
 __all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
-           "count_collectives", "live_groups"]
+           "count_collectives", "live_groups", "peek_groups"]
 
 BACKEND_NAME = "nbdist"
 
@@ -184,17 +185,13 @@ def _forward(name: str, counts: bool):
         if not counts:
             return getattr(target, name)(*args, **kwargs)
         point_to_point = name in ("send", "recv", "recv_anysource")
-        # Sequence numbers of group-wide collectives only: a send/recv is not every rank's.
-        seq = self.issued + 1 if point_to_point else self.group_wide + 1
+        # Sequence numbers of group-wide collectives only: a send/recv is not every rank's. The
+        # number is counted at the stop gate, which raises instead beyond an agreed stop point.
+        seq = self.issued + 1 if point_to_point else stop_point.claim(self, name)
         entry = flight_recorder.record(self.label, seq, name, args)
-        if not point_to_point:
-            try:
-                flight_recorder.check_collective(self._store, f"nbdist-check/gen{self.generation}/", self.rank(),
-                                                 self.size(), entry, self._timeout.total_seconds())
-            except flight_recorder.CollectiveMismatchError:
-                self.group_wide += 1  # every rank that compared used this number up
-                raise
-            self.group_wide += 1
+        if not point_to_point:  # a mismatch raises here: every rank that compared used the number up
+            flight_recorder.check_collective(self._store, f"nbdist-check/gen{self.generation}/", self.rank(),
+                                             self.size(), entry, self._timeout.total_seconds())
         self.issued += 1
         work = getattr(target, name)(*args, **kwargs)
         flight_recorder.watch_work(entry, work)
@@ -230,6 +227,7 @@ def register(backend: str) -> str:
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES))
     track_ddp_models()
+    track_optimizer_steps()
     _report_wrapped_backend(backend)
     return BACKEND_NAME
 
@@ -254,6 +252,11 @@ def live_groups() -> list[ReformableGroup]:
     groups = [ref() for ref in _GROUPS]
     _GROUPS[:] = [weakref.ref(g) for g in groups if g is not None]
     return [g for g in groups if g is not None]
+
+
+def peek_groups() -> list[ReformableGroup]:
+    """The live groups, for another thread (the signal thread's stop report): reads, never prunes."""
+    return [g for g in (ref() for ref in list(_GROUPS)) if g is not None]
 
 
 def release_groups() -> int:

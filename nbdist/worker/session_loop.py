@@ -24,15 +24,20 @@ import threading
 from multiprocessing.connection import Client
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import COLLECTIVES_FILE, CUT_REQUEST, SESSION_KEY_FILE, STOP_REQUEST, set_nodelay
+from nbdist.protocol.session_channel import (COLLECTIVES_FILE, CUT_REQUEST, SESSION_KEY_FILE, STOP_COUNTS_FILE,
+                                             STOP_POINT_FILE, STOP_REQUEST, set_nodelay)
 from nbdist.protocol.shared_values import dump_shared, load_shared
 
-__all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models"]
+__all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models", "sync_replicas"]
 
 
 def _read_key(session_dir: str) -> bytes:
     with open(os.path.join(session_dir, SESSION_KEY_FILE), "rb") as fh:
         return fh.read()
+
+
+def _stop_point_hit() -> bool:
+    return "nbdist.worker.stop_point" in sys.modules and sys.modules["nbdist.worker.stop_point"].was_hit()
 
 
 def _log_offsets() -> tuple[int, int]:
@@ -116,6 +121,8 @@ def _run_one(cell_dir: str, rank: int, payload: bytes | None, reload=None):
         # A user's cell or function: %dist_debug shows its failure, not an older one. nbdist's own
         # calls (bringing the ranks in step, pull, post-mortem itself) keep it, and reload nothing.
         debugger.forget_failure()
+        if "nbdist.worker.optimizer_steps" in sys.modules:  # the steps a stop compares are this cell's
+            sys.modules["nbdist.worker.optimizer_steps"].begin_user_cell()
     else:
         reload = None
     _STOPPED, _CELL_DIR = False, cell_dir
@@ -141,6 +148,8 @@ def _run_one(cell_dir: str, rank: int, payload: bytes | None, reload=None):
         _IN_USER_CODE = False
         debugger.remember_failure(exc)
         info = describe_exception(exc)
+        if _stop_point_hit():  # stopped at the agreed point; a library turned it into its own error
+            return "interrupted", None
         if _STOPPED and info["secondary"]:
             # Stopped in a collective: the session released it by closing the peers' connections.
             return "interrupted", None
@@ -177,7 +186,7 @@ def serve_session(session_dir: str, address) -> None:
         else:  # between cells: the log has it
             print(data.get("text/plain", "<rich output>"))
 
-    from nbdist.worker import debugger, display
+    from nbdist.worker import debugger, display, stop_point
     from nbdist.worker.autoreload import take_report, track
     from nbdist.worker.torch_modes import note_modes, restore_modes
 
@@ -200,6 +209,7 @@ def serve_session(session_dir: str, address) -> None:
         _, cell_id, cell_dir, cell_options, payload = message
         _let_go_of_values()  # the kernel mapped the last cell's values before it sent this one
         start = _log_offsets()
+        stop_point.begin_cell()
         running.enter(cell_id, cell_dir)
         _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
         debugger.install(*_debug_channel(conn, send, rank, cell_id))
@@ -214,8 +224,8 @@ def serve_session(session_dir: str, address) -> None:
 
             kind, body = "failed", describe_exception(exc)
         if kind == "interrupted":
-            restored = restore_modes(modes)
-            body = {"restored": restored} if restored else None
+            restored, hit = restore_modes(modes), stop_point.take_hit()
+            body = {"restored": restored, "stopped_before": hit} if restored or hit else None
         running.leave()
         _check_collectives(None)
         debugger.install(None, None)
@@ -276,8 +286,11 @@ class _RunningCell:
             self.cell_id, self.cell_dir = cell_id, cell_dir
 
     def leave(self) -> None:
+        from nbdist.worker import stop_point
+
         with self.lock:  # never while a cut is under way: the groups it cuts are this cell's
             self.cell_id = self.cell_dir = None
+            stop_point.end_cell()
 
 
 def _answer_signals(running: _RunningCell, rank: int) -> None:
@@ -289,14 +302,18 @@ def _answer_signals(running: _RunningCell, rank: int) -> None:
       over and the groups perhaps re-formed, must not cut the new ones.
     - COLLECTIVES_SIGNAL: write what this rank waits in (its flight recorder) into the cell's dir.
     """
-    from nbdist.protocol.signals import COLLECTIVES_SIGNAL, CUT_SIGNAL
+    from nbdist.protocol.signals import COLLECTIVES_SIGNAL, CUT_SIGNAL, RANK_THREAD_SIGNALS, STOP_POINT_SIGNAL
 
     if CUT_SIGNAL is None:
         return
     while True:
-        sig = signal.sigwait({CUT_SIGNAL, COLLECTIVES_SIGNAL})
+        sig = signal.sigwait(RANK_THREAD_SIGNALS)
         with running.lock:
             if running.cell_dir is None:
+                continue
+            if sig == STOP_POINT_SIGNAL:
+                with contextlib.suppress(OSError):  # a cell dir gone: the kernel no longer waits
+                    _answer_stop_point(running.cell_dir, rank)
                 continue
             if sig == COLLECTIVES_SIGNAL:
                 from nbdist.worker.flight_recorder import write_open_collectives
@@ -311,6 +328,24 @@ def _answer_signals(running: _RunningCell, rank: int) -> None:
             cut = reformable_groups.cut_groups()
         print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
               f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
+
+
+def _answer_stop_point(cell_dir: str, rank: int) -> None:
+    """STOP_POINT_SIGNAL, for the running cell only if its dir holds the stop request: the first
+    one closes the gate and reports this rank's counts, the next one opens it up to the point
+    (:mod:`nbdist.worker.stop_point`). A rank without a process group reports no counts."""
+    from nbdist.worker import stop_point
+
+    if not _stop_asked(cell_dir):
+        return
+    counts_path = os.path.join(cell_dir, STOP_COUNTS_FILE.format(rank=rank))
+    groups, recent = [], []
+    if _torch_groups_in_use() and "nbdist.worker.reformable_groups" in sys.modules:
+        from nbdist.worker import flight_recorder, reformable_groups
+
+        groups, recent = reformable_groups.peek_groups(), flight_recorder.recent_collectives()
+    if not stop_point.report_counts(cell_dir, counts_path, rank, groups, recent):
+        stop_point.load_point(cell_dir, os.path.join(cell_dir, STOP_POINT_FILE))
 
 
 def set_shared_names(shared) -> None:
@@ -338,16 +373,18 @@ def _torch_groups_in_use() -> bool:
 
 def count_collectives():
     """Run on ranks after a cell ended abnormally: ``(re-formable, {group: collectives issued},
-    models to reset (DDP ones left mid-reduction, FSDP2 roots), DDP models' fingerprints)``, or None
-    without a process group.
+    models to reset (DDP ones left mid-reduction, FSDP2 roots), DDP models' fingerprints,
+    {optimizer: (steps in the cell, stopped inside one)})``, or None without a process group.
     Equal counts on every rank: the groups are still in step."""
     if not _torch_groups_in_use():
         return None
     from nbdist.worker import model_reset as models
     from nbdist.worker import reformable_groups
+    from nbdist.worker.optimizer_steps import steps_this_cell
 
     return (bool(reformable_groups.live_groups()), reformable_groups.count_collectives(),
-            models.count_unfinished_ddp() + models.count_fsdp_roots(), models.fingerprint_ddp_models())
+            models.count_unfinished_ddp() + models.count_fsdp_roots(), models.fingerprint_ddp_models(),
+            steps_this_cell())
 
 
 def reset_models() -> int:
@@ -356,6 +393,14 @@ def reset_models() -> int:
     from nbdist.worker import model_reset as models
 
     return sum(models.reset_models().values())
+
+
+def sync_replicas(src: int) -> dict:
+    """Run on every rank by ``Session.sync``: re-sync DDP replicas and their optimizers from ``src``
+    (:mod:`nbdist.worker.replica_sync`; imported here, on the rank, so the kernel needs no torch)."""
+    from nbdist.worker import replica_sync
+
+    return replica_sync.sync_replicas(src)
 
 
 def release_groups() -> None:

@@ -1,0 +1,203 @@
+"""A stop that every rank obeys at the same point: the ranks agree on the collectives each has
+reached and raise before the next one, so replicas never drift; the deadline still wins.
+
+The stress tests stop a DDP loop 100 times and an FSDP2 loop 50 times at seeded random moments, on a
+fresh seed each run (``NBDIST_STOP_SEED=N`` replays one); after each stop every rank trains one more
+step, and the replicas (DDP parameters, every optimizer's step count) must be equal and every rank
+able to train. A seed that failed goes into ``REGRESSION_SEEDS``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+from conftest import began, wait_began
+
+import nbdist
+from nbdist.errors import RunStoppedError
+
+both_starts = pytest.mark.usefixtures("start_method")  # the stress tests run once, with the default
+
+DDP_LOOP = """
+import time, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)), bucket_cap_mb=0.001)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+X = torch.randn(64, 32, generator=torch.Generator().manual_seed(rank))
+def step():
+    opt.zero_grad()
+    loss = ((model(X) - X.sum(1, keepdim=True)) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+def replica():
+    with torch.no_grad():
+        return (sum(p.double().sum().item() for p in model.parameters()),
+                sorted(float(s["step"]) for s in opt.state.values()))
+step()
+"""
+FSDP_LOOP = """
+import time, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+for layer in model[::2]:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+X = torch.randn(32, 16, generator=torch.Generator().manual_seed(rank))
+def step():
+    opt.zero_grad()
+    loss = ((model(X) - X.sum(1, keepdim=True)) ** 2).mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+def replica():  # shards differ by design: only the optimizer's steps can tell a drift
+    return sorted({float(s["step"]) for s in opt.state.values()})
+step()
+"""
+REGRESSION_SEEDS: list[int] = []
+
+
+def stop(cell, delay: float) -> tuple[float, str]:
+    """Press stop ``delay`` s from now; ``(seconds from the stop to idle, the cell's report)``."""
+    time.sleep(delay)
+    t0 = time.monotonic()
+    cell.interrupt()
+    with pytest.raises(RunStoppedError) as info:
+        cell.wait(30)
+    return time.monotonic() - t0, str(info.value.report)
+
+
+def stop_at_random(session, code: str, stops: int, seed: int, delays=(0.05, 0.8)) -> list[str]:
+    """Stop a training loop ``stops`` times; after each, train one step and check the replicas.
+    Returns the reports. Fails naming the seed and the stop that left the ranks apart."""
+    rng = random.Random(seed)
+    session.execute(code, timeout=60)
+    reports = []
+    for i in range(stops):
+        cell = session.execute("while True:\n    step()", join=False)
+        took, report = stop(cell, rng.uniform(*delays))
+        where = f"seed {seed}, stop {i} ({report})"
+        assert took < 2.0 and session.status == "idle", f"{where}: idle after {took:.2f} s"
+        assert "differ" not in report, where
+        assert len(set(map(repr, session.execute("replica()", timeout=30).values()))) == 1, where
+        before = session.execute("replica()")
+        losses = session.execute("step()", timeout=30)
+        assert all(v == v for v in losses.values()), f"{where}: every rank trains: {losses}"
+        after = session.execute("replica()", timeout=30)
+        assert len(set(map(repr, after.values()))) == 1 and after != before, f"{where}: {before} -> {after}"
+        reports.append(report)
+    return reports
+
+
+def fresh_seed() -> int:
+    seed = int(os.environ.get("NBDIST_STOP_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"stop seed {seed} (NBDIST_STOP_SEED={seed} replays it)")
+    return seed
+
+
+@pytest.fixture
+def three():
+    s = nbdist.Session(nprocs=3)
+    try:
+        assert s.wait_ready(120)
+        yield s
+    finally:
+        s.close()
+
+
+@both_starts
+def test_every_rank_stops_before_the_same_collective_of_a_ddp_loop(three, tmp_path):
+    three.execute(DDP_LOOP)
+    cell = three.execute(began("while True:\n    step()", tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 3)
+    took, report = stop(cell, 0.3)
+    assert "ranks 0-2 stopped before all_reduce #" in report and "the point they agreed on" in report, report
+    assert took < 0.5, f"a DDP loop stops at the agreed point in {took:.2f} s"
+    sums = three.execute("replica()")
+    assert len(set(map(repr, sums.values()))) == 1, sums
+    print(f"a DDP loop, stopped at the agreed point, is idle in {took * 1e3:.0f} ms: {report}")
+
+
+@both_starts
+def test_a_stop_swallowed_by_the_loop_is_raised_again_at_every_collective(three, tmp_path):
+    """``except Exception`` in a training loop doesn't catch the stop (a KeyboardInterrupt), and code
+    that catches everything still can't go past the point: each later collective raises again."""
+    three.execute(DDP_LOOP + "caught = 0")
+    code = "while True:\n    try:\n        step()\n    except BaseException:\n        caught += 1\n        if caught > 3:\n            raise"
+    cell = three.execute(began(code, tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 3)
+    took, report = stop(cell, 0.3)
+    assert "the point they agreed on" in report and took < 1.0, (took, report)
+    assert three.execute("caught") == {0: 4, 1: 4, 2: 4}
+    assert len(set(map(repr, three.execute("replica()").values()))) == 1
+
+
+@both_starts
+def test_a_loop_without_collectives_is_stopped_where_it_is_at_once(three, tmp_path):
+    cell = three.execute(began("n = 0\nwhile True:\n    n += 1", tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 3)
+    took, report = stop(cell, 0.2)
+    assert "ranks 0-2 reached no further collective within 0.05 s and were stopped where they were" in report, report
+    assert took < 0.6, f"a loop without collectives stops in {took:.2f} s"
+
+
+@both_starts
+def test_the_deadline_wins_over_a_rank_in_a_long_compute(three, tmp_path):
+    """Rank 2 computes for a minute between two collectives: its peers stop at the point, it is
+    stopped where it is, and the cell says so; the stop is still idle within 2 s."""
+    three.execute(DDP_LOOP)
+    code = "while True:\n    step()\n    if rank == 2 and os.path.exists(flag):\n        time.sleep(60)"
+    three.execute(f"import os\nflag = {str(tmp_path / 'flag')!r}")
+    cell = three.execute(began(code, tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 3)
+    (tmp_path / "flag").touch()
+    took, report = stop(cell, 0.5)
+    assert "rank 2 did not reach it within" in report and "was stopped where it was" in report, report
+    assert took < 2.0, f"the deadline wins: idle in {took:.2f} s"
+    (tmp_path / "flag").unlink()
+    losses = three.execute("step()", timeout=30)
+    assert all(v == v for v in losses.values())
+
+
+@both_starts
+def test_replicas_made_to_differ_by_a_ranks_cell_are_resynced_with_dist_sync(three):
+    """A ``--ranks`` cell trains rank 0 alone: its parameters and Adam's state move, rank 2 gets a
+    fresh optimizer with no state at all. ``Session.sync()`` (``%dist_sync``) makes every rank
+    rank 0's replica again: parameters, buffers, every Adam moment and step count."""
+    three.execute(DDP_LOOP)
+    three.execute("for p in model.parameters():\n    p.grad = torch.ones_like(p)\nopt.step()\nopt.step()\n"
+                  "opt.param_groups[0]['lr'] = 5e-4", ranks=[0])
+    three.execute("opt = torch.optim.Adam(model.parameters(), lr=1e-3)", ranks=[2])
+    assert len(set(map(repr, three.execute("replica()").values()))) == 3
+    said = three.sync()
+    assert said.startswith("re-synced 1 DDP model") and "from rank 0" in said and "rank 2 had no state" in said, said
+    state = ("(replica(), opt.param_groups[0]['lr'], [[v.sum().item() for v in s.values()] "
+             "for s in opt.state.values()])")
+    held = three.execute(state)
+    assert held[0] == held[1] == held[2], held
+    three.execute("step()")
+    assert len(set(map(repr, three.execute("replica()").values()))) == 1
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS or [None])
+def test_a_hundred_random_stops_of_a_ddp_loop_leave_no_drift(three, seed):
+    seed = fresh_seed() if seed is None else seed
+    reports = stop_at_random(three, DDP_LOOP, 100, seed)
+    agreed = sum("the point they agreed on" in r for r in reports)
+    print(f"seed {seed}: 100 stops of a DDP loop, 0 drifts, {agreed} at an agreed point")
+
+
+@pytest.mark.parametrize("seed", REGRESSION_SEEDS or [None])
+def test_fifty_random_stops_of_an_fsdp2_loop_leave_no_step_mismatch(three, seed):
+    seed = fresh_seed() if seed is None else seed
+    reports = stop_at_random(three, FSDP_LOOP, 50, seed)
+    agreed = sum("the point they agreed on" in r for r in reports)
+    print(f"seed {seed}: 50 stops of an FSDP2 loop, 0 optimizer-step mismatches, {agreed} at an agreed point")
