@@ -24,9 +24,10 @@ import threading
 from multiprocessing.connection import Client
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import (COLLECTIVES_FILE, CUT_REQUEST, SESSION_KEY_FILE, STOP_COUNTS_FILE,
-                                             STOP_POINT_FILE, STOP_REQUEST, set_nodelay)
+from nbdist.protocol.session_channel import SESSION_KEY_FILE, set_nodelay
 from nbdist.protocol.shared_values import dump_shared, load_shared
+from nbdist.worker.rank_signals import RunningCell, answer_signals, stop_asked as _stop_asked
+from nbdist.worker.rank_signals import torch_groups_in_use as _torch_groups_in_use
 
 __all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models", "sync_replicas"]
 
@@ -77,11 +78,6 @@ def _on_sigint(signum, frame):
             _STOP_HELD = True
             return
         raise KeyboardInterrupt
-
-
-def _stop_asked(cell_dir: str | None) -> bool:
-    """Whether the kernel asked to stop the cell in ``cell_dir`` (it writes the request before the signal)."""
-    return cell_dir is not None and os.path.exists(os.path.join(cell_dir, STOP_REQUEST))
 
 
 @contextlib.contextmanager
@@ -173,7 +169,7 @@ def serve_session(session_dir: str, address) -> None:
     conn = Client(tuple(address), authkey=_read_key(session_dir))
     set_nodelay(conn)
     lock = threading.Lock()  # a cell's own threads may display while the loop reports
-    running = _RunningCell()  # the cell running now (its displays, and what a cut may touch)
+    running = RunningCell()  # the cell running now (its displays, and what a cut may touch)
 
     def send(message) -> None:
         with lock, _stop_held():
@@ -192,7 +188,7 @@ def serve_session(session_dir: str, address) -> None:
 
     display.install(send_display)  # display() and plt.show() reach the notebook
     track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
-    threading.Thread(target=_answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
+    threading.Thread(target=answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
     send(("hello", rank, os.getpid(), socket.gethostname()))
     while True:
         try:
@@ -273,81 +269,6 @@ def _let_go_of_values() -> None:
         _HELD.pop().close()
 
 
-class _RunningCell:
-    """The cell this rank's main thread runs, as the cut thread may see it."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.cell_id: int | None = None
-        self.cell_dir: str | None = None
-
-    def enter(self, cell_id: int, cell_dir: str) -> None:
-        with self.lock:
-            self.cell_id, self.cell_dir = cell_id, cell_dir
-
-    def leave(self) -> None:
-        from nbdist.worker import stop_point
-
-        with self.lock:  # never while a cut is under way: the groups it cuts are this cell's
-            self.cell_id = self.cell_dir = None
-            stop_point.end_cell()
-
-
-def _answer_signals(running: _RunningCell, rank: int) -> None:
-    """A thread that waits for the kernel's signals (blocked everywhere else, so no polling and no
-    handler that would need the main thread, which may be stuck in C):
-
-    - CUT_SIGNAL: cut the groups' connections. Only while the main thread still runs the cell the
-      kernel asked about (its dir holds the request): a signal that comes late, once the cell is
-      over and the groups perhaps re-formed, must not cut the new ones.
-    - COLLECTIVES_SIGNAL: write what this rank waits in (its flight recorder) into the cell's dir.
-    """
-    from nbdist.protocol.signals import COLLECTIVES_SIGNAL, CUT_SIGNAL, RANK_THREAD_SIGNALS, STOP_POINT_SIGNAL
-
-    if CUT_SIGNAL is None:
-        return
-    while True:
-        sig = signal.sigwait(RANK_THREAD_SIGNALS)
-        with running.lock:
-            if running.cell_dir is None:
-                continue
-            if sig == STOP_POINT_SIGNAL:
-                with contextlib.suppress(OSError):  # a cell dir gone: the kernel no longer waits
-                    _answer_stop_point(running.cell_dir, rank)
-                continue
-            if sig == COLLECTIVES_SIGNAL:
-                from nbdist.worker.flight_recorder import write_open_collectives
-
-                with contextlib.suppress(OSError):  # a cell dir gone: the kernel no longer waits
-                    write_open_collectives(os.path.join(running.cell_dir, COLLECTIVES_FILE.format(rank=rank)), rank)
-                continue
-            if not os.path.exists(os.path.join(running.cell_dir, CUT_REQUEST)) or not _torch_groups_in_use():
-                continue
-            from nbdist.worker import reformable_groups
-
-            cut = reformable_groups.cut_groups()
-        print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
-              f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
-
-
-def _answer_stop_point(cell_dir: str, rank: int) -> None:
-    """STOP_POINT_SIGNAL, for the running cell only if its dir holds the stop request: the first
-    one closes the gate and reports this rank's counts, the next one opens it up to the point
-    (:mod:`nbdist.worker.stop_point`). A rank without a process group reports no counts."""
-    from nbdist.worker import stop_point
-
-    if not _stop_asked(cell_dir):
-        return
-    counts_path = os.path.join(cell_dir, STOP_COUNTS_FILE.format(rank=rank))
-    groups, recent = [], []
-    if _torch_groups_in_use() and "nbdist.worker.reformable_groups" in sys.modules:
-        from nbdist.worker import flight_recorder, reformable_groups
-
-        groups, recent = reformable_groups.peek_groups(), flight_recorder.recent_collectives()
-    if not stop_point.report_counts(cell_dir, counts_path, rank, groups, recent):
-        stop_point.load_point(cell_dir, os.path.join(cell_dir, STOP_POINT_FILE))
-
-
 def set_shared_names(shared) -> None:
     """Run on ranks by ``Session.push``: the values, mapped from the kernel's shared memory, become
     names of the rank's ``__main__`` (each rank's copy-on-write: its own)."""
@@ -363,12 +284,6 @@ def set_shared_piece(name: str, shared) -> None:
 def set_names(values: dict) -> None:
     """Run on ranks by ``Session.push``: the values become names of the rank's ``__main__``."""
     sys.modules["__main__"].__dict__.update(values)
-
-
-def _torch_groups_in_use() -> bool:
-    """Whether this rank made a process group (a session without one never imports torch here)."""
-    dist = sys.modules.get("torch.distributed")
-    return dist is not None and dist.is_available() and dist.is_initialized()
 
 
 def count_collectives():

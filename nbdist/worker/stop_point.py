@@ -24,7 +24,6 @@ send's peer is one rank, not the group). Standard library only; the groups are p
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass, field
