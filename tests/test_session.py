@@ -117,6 +117,24 @@ def test_interrupt_a_python_loop_keeps_the_namespace(session, tmp_path):
     assert session.execute("model_state['step'] > 0") == {0: True, 1: True}
 
 
+def test_a_users_sigusr1_handler_keeps_working_and_stacks_never_call_it(session, tmp_path):
+    # Lightning's Slurm requeue (and many a user) installs a SIGUSR1 handler in the rank: the stack
+    # dump has a real-time signal of its own, so it neither replaces that handler nor runs it.
+    session.execute("import signal, os\ncalls = []\n"
+                    "signal.signal(signal.SIGUSR1, lambda *a: calls.append('usr1'))")
+    cell = session.execute(began("import time\ndef deep_in_user_code():\n    time.sleep(60)\ndeep_in_user_code()",
+                                 tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 2)
+    stacks = session.stacks()
+    assert set(stacks) == {0, 1}, stacks
+    assert all("deep_in_user_code" in d.main for d in stacks.values()), stacks
+    cell.interrupt()
+    with pytest.raises(RunStoppedError):
+        cell.wait()
+    assert session.execute("len(calls)") == {0: 0, 1: 0}, "%dist_stacks ran the user's handler"
+    assert session.execute("os.kill(os.getpid(), signal.SIGUSR1); time.sleep(0.05); calls") == {0: ["usr1"], 1: ["usr1"]}
+
+
 def test_a_stop_that_comes_before_the_cell_begins_stops_it_as_it_begins(session):
     """The stop pressed as the cell is sent reaches ranks still reading it (here its argument takes
     1 s to load, and the SIGINT finds no user code to interrupt): each rank stops the cell as its

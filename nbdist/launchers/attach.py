@@ -17,8 +17,9 @@ import socket
 
 from nbdist.errors import LaunchConfigError, RankFailure, WorkerFailedError
 from nbdist.protocol.world import WorldInfo
+from nbdist.launchers.slurm_hosts import first_slurm_host
 
-__all__ = ["run_attached", "StoreComm", "mpi_world", "slurm_meeting_point", "first_slurm_host"]
+__all__ = ["run_attached", "StoreComm", "mpi_world", "slurm_meeting_point"]
 
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
 # that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
@@ -72,15 +73,6 @@ def _join_group_mpi(comm, rank, size, single_node, dist_url, backend):
     else:
         dist.init_process_group(backend=backend, init_method=dist_url, rank=rank, world_size=size)
     return rdzv
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: ``"gpu[03-05,07],cpu1"`` -> ``"gpu03"``."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0] + "]"
-    if "[" not in head:
-        return head
-    prefix, ranges = head.rstrip("]").split("[", 1)
-    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 def slurm_meeting_point(env) -> tuple[str, int]:

@@ -25,7 +25,9 @@ PARENT_DIED_SIGNAL = signal.SIGRTMIN + 5 if hasattr(signal, "SIGRTMIN") else sig
 
 
 # faulthandler dumps every thread's stack into the rank's log on this one (a timeout, %dist_stacks).
-STACK_DUMP_SIGNAL = signal.SIGUSR1
+# A real-time one: SIGUSR1 belongs to the user and their libraries (Lightning's Slurm requeue
+# handler, say), whose handler would either be replaced by the dump or run by %dist_stacks.
+STACK_DUMP_SIGNAL = signal.SIGRTMIN + 9 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR1
 
 
 # A session rank stuck in a collective cuts its own group connections on this one (a thread of
