@@ -31,6 +31,17 @@ def report_env():
     }
 
 
+def rank_and_pid():
+    return int(os.environ["RANK"]), os.getpid()
+
+
+def report_env_with(extra_keys):
+    """:func:`report_env`, with ``extra_keys`` of the rank's environ too."""
+    out = report_env()
+    out["env"].update({k: os.environ.get(k) for k in extra_keys})
+    return out
+
+
 class _Slow(torch.utils.data.Dataset):
     def __len__(self):
         return 10_000
@@ -216,3 +227,33 @@ def raise_on_0_else_spin(seconds):
     if dist.get_rank() == 0:
         raise ValueError("bad shard on rank 0")
     spin(seconds)
+
+
+def signed_gather_roundtrip(key_hex):
+    """Return ``(gathered, broadcast)`` from the signed collectives with the key ``key_hex``: every
+    rank's uneven-sized dict, and rank 1's list (a source other than 0: the sender is a global rank)."""
+    from nbdist.worker.signed_collectives import all_gather_signed, broadcast_signed
+
+    key, rank = bytes.fromhex(key_hex), dist.get_rank()
+    gathered = all_gather_signed({"rank": rank, "pad": "x" * (1000 * rank)}, key=key, topic="test/gather/1")
+    sent = ["from", rank] if rank == 1 else None
+    return gathered, broadcast_signed(sent, key=key, topic="test/bcast/1", src=1)
+
+
+def signed_gather_refuses_forgery(key_hex):
+    """Rank 1 signs with a key of its own: return what each refusal said, per collective, on this rank."""
+    from nbdist.protocol.signing import UnsignedMessageError
+    from nbdist.worker.signed_collectives import all_gather_signed, broadcast_signed
+
+    rank = dist.get_rank()
+    key = bytes.fromhex(key_hex) if rank == 0 else bytes(32)
+    said = {}
+    try:
+        said["gather"] = all_gather_signed(rank, key=key, topic="test/forged/1")
+    except UnsignedMessageError as exc:
+        said["gather"] = (exc.sender, exc.reason)
+    try:
+        said["bcast"] = broadcast_signed("forged", key=key, topic="test/forged/2", src=1)
+    except UnsignedMessageError as exc:
+        said["bcast"] = (exc.sender, exc.reason)
+    return said

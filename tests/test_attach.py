@@ -168,3 +168,76 @@ def test_magic_in_kernels_under_mpi(tmp_path):
         assert f"[rank {rank}] hello from {rank}" in text, text
     assert text.count("RESULTS {0: 0, 1: 10}") == 1 and text.count("RESULTS {2: 20, 3: 30}") == 1, text
     assert text.count("ATTACHED 2") == 2, text
+
+
+STOP_THEN_CELLS = textwrap.dedent(
+    """
+    import os, signal, time, nbdist
+
+    def stopped_on_kernel_1():
+        if nbdist.rank() == 1:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGINT)  # the stop button, in kernel 1 only
+            time.sleep(60)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:  # kernel 0: a long cell, ended by kernel 1's stop
+            time.sleep(0.01)
+        return "ran to the end"
+
+    if __name__ == "__main__":
+        me = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID"))
+        t0 = time.monotonic()
+        try:
+            nbdist.launch(stopped_on_kernel_1)
+            print(f"NOT-STOPPED {me}\\n", end="", flush=True)
+        except KeyboardInterrupt:
+            print(f"STOPPED-HERE {me} {time.monotonic() - t0:.1f}\\n", end="", flush=True)
+        except nbdist.RunStoppedError as e:
+            print(f"STOPPED-PEER {me} {time.monotonic() - t0:.1f} {e}\\n", end="", flush=True)
+        for i in range(3):
+            res = nbdist.launch(lambda: (nbdist.rank(), i))
+            print(f"CELL {me} {i} {res!r}\\n", end="", flush=True)
+        from nbdist.launchers.attach import KEEP, slurm_meeting_point
+
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        derived = slurm_meeting_point(env)[1] if "SLURM_JOB_ID" in env else None
+        print(f"SIGNED {me} {KEEP['comm'].key is not None} {os.environ.get('MASTER_PORT')} {derived}\\n", end="", flush=True)
+    """
+)
+
+
+def _check_stop_then_cells(text: str):
+    lines = text.splitlines()
+    here = [line.split() for line in lines if line.startswith("STOPPED-HERE ")]
+    peer = [line.split(" ", 3) for line in lines if line.startswith("STOPPED-PEER ")]
+    assert [h[1] for h in here] == ["1"] and [p[1] for p in peer] == ["0"], text
+    assert "stopped on node 1 (KeyboardInterrupt there)" in peer[0][3], text
+    print(f"kernel 1 stopped; kernel 0's cell ended {peer[0][2]} s after it began")
+    assert float(peer[0][2]) < 10, "kernel 0's long cell was ended by kernel 1's stop, not run to its end"
+    for me in (0, 1):
+        for i in range(3):
+            assert f"CELL {me} {i} {{0: (0, {i}), 1: (1, {i})}}" in lines, text
+    signed = [line.split() for line in lines if line.startswith("SIGNED ")]
+    assert len(signed) == 2 and all(s[2] == "True" for s in signed), "the kernels agreed a key through ~/.nbdist"
+    return signed
+
+
+def test_a_stop_in_one_torchrun_kernel_ends_the_round_and_later_cells_agree(tmp_path):
+    """A stop in one attached kernel used to skip its gather: its round counter lagged its peers'
+    for the rest of its life, the peers waited out the store's timeout, and later cells read the
+    previous round's keys."""
+    script = tmp_path / "stop_then_cells.py"
+    script.write_text(STOP_THEN_CELLS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    _check_stop_then_cells(out.stdout + out.stderr)
+
+
+def test_a_stop_in_one_slurm_kernel_ends_the_round_and_later_cells_agree(tmp_path, slurm):
+    script = tmp_path / "stop_then_cells_slurm.py"
+    script.write_text(STOP_THEN_CELLS)
+    out = subprocess.run(["srun", "-n", "2", "--overcommit", sys.executable, str(script)], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    signed = _check_stop_then_cells(out.stdout + out.stderr)
+    # Task 0 hosted the step's store on a free port, not the one derived from the job and step ids.
+    assert all(s[3] != s[4] and s[4] != "None" for s in signed), signed

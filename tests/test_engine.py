@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import threading
 import time
 
 import psutil
@@ -13,6 +14,7 @@ import rankfns
 from conftest import marked_pids, start_parent_with_loader_ranks, wait_for
 
 import nbdist
+from nbdist.protocol.registration import read_rank_pids
 from nbdist.protocol.signals import STACK_DUMP_SIGNAL
 from nbdist.errors import format_rank_set
 
@@ -36,6 +38,32 @@ def test_ranks_see_torchrun_env_marker_and_own_group():
         assert v["initialized"] and v["backend"] == "gloo"
         assert v["marker_in_exec_env"], "the marker must be in /proc/PID/environ, where ps finds it"
         assert v["group_leader"], "each rank leads its own process group"
+
+
+def test_starting_ranks_never_changes_the_kernels_environ():
+    # A subprocess the notebook starts while ranks start must not carry the run marker (%dist_stop
+    # would kill it) or the run's --env values: a thread samples os.environ all along.
+    watched = [k for k in ("NBDIST_RUN_ID", "NBDIST_RUN_DIR", "NBDIST_TEST_FLAG", "OMP_NUM_THREADS")
+               if k not in os.environ]
+    assert "NBDIST_RUN_ID" in watched and "NBDIST_TEST_FLAG" in watched
+    seen, samples, done = set(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            seen.update(k for k in watched if k in os.environ)
+            samples[0] += 1
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        out = nbdist.launch(rankfns.report_env_with, ("NBDIST_TEST_FLAG",), nprocs=2, env={"NBDIST_TEST_FLAG": "on"})
+    finally:
+        done.set()
+        sampler.join(10)
+    print(f"{samples[0]} samples of the kernel's environ while 2 ranks started")
+    assert samples[0] > 100 and not seen, f"the kernel's os.environ held {sorted(seen)} while ranks started"
+    for v in out.values():
+        assert v["env"]["NBDIST_TEST_FLAG"] == "on" and v["marker_in_exec_env"], v
 
 
 def test_lambdas_closures_and_kwargs_travel_by_value():
@@ -219,7 +247,7 @@ def test_timeout_while_ranks_start_dumps_their_stacks_and_says_they_were_startin
     print(f"{start_method}: timeout during startup -> error in {took:.2f} s: {str(err).splitlines()[0]}")
     assert "timed out after 2 s while ranks 0-1 were still starting" in str(err), str(err)
     assert set(err.failures) == {0, 1} and err.rank == 0
-    assert os.path.exists(os.path.join(run.run_dir, "pids")), "the ranks recorded themselves"
+    assert set(read_rank_pids(run.run_dir)) == {0, 1}, "the ranks recorded themselves"
     for rank, failure in err.failures.items():
         # The dump's signal is not what ended the rank: the stop after it did.
         assert failure.exitcode != -STACK_DUMP_SIGNAL and "still starting when the timeout expired, " in failure.message

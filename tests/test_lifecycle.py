@@ -21,6 +21,8 @@ import nbdist
 from nbdist.errors import LaunchConfigError, RunStoppedError, SessionLostError, WorkerFailedError
 from nbdist.launchers.engine import EngineLauncher
 from nbdist.options import WorldOptions
+from nbdist.protocol.registration import record_pid
+from nbdist.protocol.rundir import write_private
 from nbdist.run import retention
 from nbdist.run.start import start_run
 
@@ -154,8 +156,9 @@ def test_a_rank_on_another_host_is_never_signalled():
     local = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
                              env=dict(os.environ, NBDIST_RUN_ID=run.run_id, NBDIST_RUN_DIR=run.run_dir))
     try:
-        with open(os.path.join(run.run_dir, "pids"), "a") as fh:
-            fh.write(f"0 {local.pid} {os.uname().nodename}\n1 {bystander.pid} gpu-node-7\n")
+        record_pid(run.run_dir, 0, local.pid)
+        os.makedirs(os.path.join(run.run_dir, "ranks"), exist_ok=True)  # rank 1 registers from another host
+        write_private(os.path.join(run.run_dir, "ranks", "1.pid"), f"{bystander.pid} gpu-node-7\n".encode())
         wait_for(lambda: launcher.remote_slots() == {1}, 5, what="the ranks to register")
         assert bystander.pid not in launcher.leaders() and local.pid in launcher.leaders()
         assert run.local_pids() == {0: local.pid}
@@ -245,7 +248,7 @@ def test_ranks_of_a_kernel_that_ignores_sigint_still_take_the_stop_as_keyboardin
         import sys, time, nbdist
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import rankfns
-        from nbdist.protocol.rundir import read_running
+        from nbdist.protocol.registration import read_running
         run = nbdist.launch(rankfns.spin, nprocs=2, join=False, init_process_group=False, start_method="spawn")
         while len(read_running(run.run_dir)) < 2:  # both ranks in the user's code
             time.sleep(0.05)

@@ -31,7 +31,7 @@ from nbdist.frontend.cell_job import (attached_world, finish_cell, prepare_cell,
                                       session_world_arguments, start_cell, world_arguments, world_options)
 from nbdist.frontend.cli import describe_template, format_table, sort_procs
 from nbdist.frontend.views import FLUSH_INTERVAL, make_view
-from nbdist.protocol import rundir
+from nbdist.protocol import registration, rundir
 from nbdist.run.retention import describe_retention
 
 __all__ = ["DistributedMagics", "load_ipython_extension", "unload_ipython_extension", "run_cell_async",
@@ -413,7 +413,7 @@ class DistributedMagics(Magics):
             raise UsageError("no run yet: give a RUN_ID (see %dist_ps)")
         if not os.path.isdir(run_dir):
             raise UsageError(f"no run dir at {run_dir}")
-        ranks = sorted(rundir.read_rank_pids(run_dir)) or [0]
+        ranks = sorted(registration.read_rank_pids(run_dir)) or [0]
         if parts:
             ranks = [int(parts[0])]
         for rank in ranks:

@@ -12,19 +12,23 @@ hosts on a port every task derives from the step. Every rank gets back the same
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
-from nbdist.errors import LaunchConfigError, RankFailure, WorkerFailedError
+from nbdist.errors import LaunchConfigError, RankFailure, RunStoppedError, WorkerFailedError
+from nbdist.launchers.kernel_comm import MpiComm, StopWatch, StoreComm, TorchComm, next_round
 from nbdist.protocol.world import WorldInfo
 from nbdist.launchers.slurm_hosts import first_slurm_host
 
-__all__ = ["run_attached", "StoreComm", "mpi_world", "slurm_meeting_point"]
+__all__ = ["run_attached", "run_round", "kernel_comm", "mpi_world", "slurm_meeting_point"]
 
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
 # that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
 # the same rendezvous would meet the previous round's keys.
-KEEP = {"rendezvous": None, "gathers": 0, "hosted": None, "slurm_store": None, "agent_store": None}
+KEEP = {"rendezvous": None, "hosted": None, "slurm_store": None, "slurm_key": None, "slurm_record": None,
+        "agent_store": None, "comm": None}
+SLURM_RECORD_WAIT_S = 60.0  # NFS shows task 0's record within its attribute cache time
 
 
 def mpi_world():
@@ -66,7 +70,7 @@ def _join_group_mpi(comm, rank, size, single_node, dist_url, backend):
             where = (rdzv.master_addr, rdzv.master_port)
         else:
             where = None
-        addr, port = comm.bcast(where, root=0)
+        addr, port = MpiComm(comm).bcast(where, next_round("mpi-store"), root=0)
         store = rdzv.store if rdzv is not None else dist.TCPStore(addr, port, size, is_master=False)
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=size)
@@ -89,22 +93,50 @@ def slurm_meeting_point(env) -> tuple[str, int]:
 
 
 def slurm_store(rank: int, size: int):
-    """The step's store, hosted by task 0 at :func:`slurm_meeting_point`, kept for the kernel's life."""
+    """The step's store, hosted by task 0 and kept for the kernel's life.
+
+    Where the tasks share a folder (:func:`nbdist.launchers.world_key.shared_dir`: the home folder on
+    almost every cluster), task 0 hosts it on a free port and writes where it is, with a fresh key,
+    into a 0600 record there: no stranger can predict the port, and the first exchange over it is
+    signed (:func:`kernel_comm`). Without one, the port is derived from the job and step ids, as
+    before, and nothing is signed (said once). MASTER_ADDR/PORT win when set.
+    """
     import datetime
 
     import torch.distributed as dist
 
     from nbdist.launchers.rendezvous import open_rendezvous
+    from nbdist.launchers.world_key import read_private_record, shared_dir, write_private_record
 
-    if KEEP["slurm_store"] is None:
-        addr, port = slurm_meeting_point(os.environ)
-        if rank == 0:  # holding the store keeps its server up
-            store = open_rendezvous("auto", size, host=addr, port=port, here=True).store
-        else:
-            store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
-        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
-        KEEP["slurm_store"] = store
-    return KEEP["slurm_store"]
+    if KEEP["slurm_store"] is not None:
+        return KEEP["slurm_store"]
+    env = os.environ
+    addr, port = slurm_meeting_point(env)
+    folder, _why = (None, "") if env.get("MASTER_ADDR") and env.get("MASTER_PORT") else shared_dir(env)
+    record = f"slurm-{int(env.get('SLURM_JOB_ID') or 0)}.{int(env.get('SLURM_STEP_ID') or 0)}.store"
+    if rank == 0:  # holding the store keeps its server up
+        hosted = open_rendezvous("auto", size, host=addr, port=0 if folder else port, here=True)
+        store = hosted.store
+        if folder:
+            from nbdist.protocol.signing import new_world_key
+
+            key = new_world_key()
+            port = hosted.master_port
+            write_private_record(folder, record, {"addr": addr, "port": port, "key": key.hex()})
+            KEEP["slurm_key"], KEEP["slurm_record"] = key, os.path.join(folder, record)
+    else:
+        if folder:
+            found = read_private_record(os.path.join(folder, record), SLURM_RECORD_WAIT_S)
+            if found is None:
+                raise LaunchConfigError(
+                    f"task {rank} of this Slurm step can't see {os.path.join(folder, record)}, where task 0 says "
+                    f"where its store is: set NBDIST_SHARED_DIR to a folder every node of the job sees "
+                    f"(or MASTER_ADDR/MASTER_PORT)")
+            addr, port, KEEP["slurm_key"] = found["addr"], int(found["port"]), bytes.fromhex(found["key"])
+        store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+    KEEP["slurm_store"] = store
+    return store
 
 
 def _join_group_slurm(rank, size, backend):
@@ -115,13 +147,11 @@ def _join_group_slurm(rank, size, backend):
 
 def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
     """Run ``fn`` as this rank of ``world``; return every rank's value, gathered, on every rank."""
-    import cloudpickle
     import torch.distributed as dist
 
     from nbdist.worker.bootstrap import bind_device, resolve_backend
-    from nbdist.worker.exceptions import describe_exception
 
-    comm = None  # how the kernels gather the values: MPI, else a store that needs no process group
+    comm = None  # mpi4py's world communicator, under MPI
     rank, size = world.rank, world.world_size
     local_rank, local_size = world.local_rank, world.local_world_size
     if world.kind == "mpi":
@@ -143,62 +173,105 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
         else:
             init = "env://" if dist_url == "auto" else dist_url
             dist.init_process_group(backend=backend, init_method=init, rank=rank, world_size=size)
+    comm = kernel_comm(world, rank, size, dist_url, comm)
+    return run_round(fn, args, kwargs, comm, rank)
+
+
+def kernel_comm(world: WorldInfo, rank: int, size: int, dist_url: str = "auto", mpi=None):
+    """How this kernel talks to its peers, signed with the world's key: made once per kernel.
+
+    MPI where the world is MPI's, else a store that needs no process group (torchrun's agent store,
+    the Slurm step's), else the world's process group. The key comes from the Slurm record, or is
+    agreed (:func:`nbdist.launchers.world_key.agree_world_key`); the first signed exchange checks
+    that every kernel holds it, so a stranger's store or a wrong key fails here, in one line.
+    """
+    if KEEP["comm"] is not None:
+        return KEEP["comm"]
+    from nbdist.launchers.world_key import agree_world_key
+
+    plain = _transport(world, rank, size, dist_url, mpi)
+    key = KEEP["slurm_key"] if isinstance(plain, StoreComm) and plain.store is KEEP["slurm_store"] else None
+    if key is None:
+        key = agree_world_key(rank, lambda value, what: plain.allgather(value, next_round(what)))
+    comm = plain.with_key(key)
+    if key is not None:
+        comm.allgather("hello", next_round("world-key/check"))  # refused, naming the kernel, without the key
+        if rank == 0 and KEEP.get("slurm_record"):
+            with contextlib.suppress(OSError):
+                os.unlink(KEEP["slurm_record"])  # every task is in: the record's key is no longer read
+    KEEP["comm"] = comm
+    return comm
+
+
+def _transport(world: WorldInfo, rank: int, size: int, dist_url: str, mpi):
+    if mpi is not None:
+        return MpiComm(mpi)
     if world.kind == "torchrun":
-        comm = agent_store_comm(rank, size)
+        store = agent_store()
+        if store is not None:
+            return StoreComm(store, rank, size)
     elif world.kind == "slurm" and dist_url == "auto":
-        comm = StoreComm(slurm_store(rank, size), rank, size)
+        return StoreComm(slurm_store(rank, size), rank, size)
+    return TorchComm(rank, size)
+
+
+def run_round(fn, args, kwargs, comm, rank: int) -> dict:
+    """Run ``fn`` here as one round of the world; every kernel gets every value, or the same error.
+
+    Whatever ends this kernel's cell, the round's gather happens: a stop (KeyboardInterrupt) or
+    ``sys.exit`` here is posted to the peers (their cells are interrupted and end with "stopped on
+    node K"), and re-raised here once every kernel has answered.
+    """
+    import cloudpickle
+
+    from nbdist.worker.exceptions import describe_exception
+
+    topic = next_round()
+    watch = StopWatch(comm, topic)
+    ended_here = None
     try:
-        value = fn(*args, **kwargs)
-        mine = (True, cloudpickle.dumps(value))
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            watch.disarm()
+        mine = {"ok": True, "value": cloudpickle.dumps(value)}
     except Exception as exc:
-        info = describe_exception(exc)
-        mine = (False, info)
-    everyone = gather(mine, comm, rank, size)
+        mine = {"ok": False, "error": describe_exception(exc)}
+    except BaseException as exc:  # a stop or sys.exit: the round still ends on every kernel
+        if watch.by is not None:
+            mine = {"ok": False, "stopped_by": watch.by[0]}
+        else:
+            ended_here = exc
+            what = type(exc).__name__
+            comm.post_stop(topic, what)
+            mine = {"ok": False, "stopped": what}
+    everyone = comm.allgather(mine, topic)
+    if ended_here is not None:
+        raise ended_here
+    return _round_outcome(everyone, rank)
+
+
+def _round_outcome(everyone: list, rank: int) -> dict:
     import pickle
 
     results, failures = {}, {}
-    for r, (ok, data) in enumerate(everyone):
-        if ok:
-            results[r] = pickle.loads(data)
-        else:
-            failures[r] = RankFailure.from_record(r, None, data)
+    for r, entry in enumerate(everyone):
+        if entry.get("ok"):
+            results[r] = pickle.loads(entry["value"])  # checked: it came signed by kernel r
+        elif "error" in entry:
+            failures[r] = RankFailure.from_record(r, None, entry["error"])
+    stopped = {r: e["stopped"] for r, e in enumerate(everyone) if "stopped" in e}
+    if stopped:
+        node, what = min(stopped.items())
+        raise RunStoppedError("stopped", results, report=f"stopped on node {node} ({what} there); "
+                              f"this kernel's cell ended with it, and every kernel's round with it")
     if failures:
         raise WorkerFailedError(failures, results)
     return results
 
 
-class StoreComm:
-    """``bcast`` and ``allgather`` between the kernels of a world over a TCPStore: the two calls of
-    mpi4py's communicator that nbdist needs, where there is no MPI (torchrun, a plain srun step)."""
-
-    def __init__(self, store, rank: int, size: int):
-        self.store, self.rank, self.size = store, rank, size
-
-    def _prefix(self, what: str) -> str:
-        KEEP["gathers"] += 1  # every kernel makes the same calls in the same order: the keys agree
-        return f"nbdist/{what}/{KEEP['gathers']}/"
-
-    def bcast(self, value, root: int = 0):
-        import pickle
-
-        key = self._prefix("bcast") + "value"
-        if self.rank == root:
-            self.store.set(key, pickle.dumps(value))
-        self.store.wait([key])
-        return pickle.loads(self.store.get(key))
-
-    def allgather(self, value) -> list:
-        import pickle
-
-        prefix = self._prefix("gather")
-        self.store.set(prefix + str(self.rank), pickle.dumps(value))
-        keys = [prefix + str(r) for r in range(self.size)]
-        self.store.wait(keys)
-        return [pickle.loads(self.store.get(k)) for k in keys]
-
-
-def agent_store_comm(rank: int, size: int):
-    """torchrun's agent store as a StoreComm (it needs no process group), or None outside torchrun."""
+def agent_store():
+    """torchrun's agent store (it needs no process group), kept for the kernel's life; None outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("MASTER_PORT"):
         return None
     import torch.distributed as dist
@@ -206,19 +279,4 @@ def agent_store_comm(rank: int, size: int):
     if KEEP["agent_store"] is None:
         KEEP["agent_store"] = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                              is_master=False)
-    return StoreComm(KEEP["agent_store"], rank, size)
-
-
-def gather(mine, comm, rank, size):
-    """Every rank's (ok, payload), on every rank: over ``comm`` (MPI or a store), else over torch."""
-    if comm is not None:
-        return comm.allgather(mine)
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group(backend="gloo", init_method="env://")
-    out = [None] * size
-    dist.all_gather_object(out, mine)
-    return out
-
-
+    return KEEP["agent_store"]

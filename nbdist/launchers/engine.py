@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from nbdist.launchers.base import Launcher
 from nbdist.launchers.forker import is_forker_thread
 from nbdist.launchers.processes import is_gone
-from nbdist.protocol import rundir
+from nbdist.protocol import registration, rundir
 from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV
 from nbdist.protocol.signals import set_pdeathsig
 
@@ -70,7 +70,7 @@ class EngineLauncher(Launcher):
         self._engine: subprocess.Popen | None = None
         self._run_dir: str | None = None
         self._nprocs = 0
-        self._where: dict[int, rundir.RankPid] = {}  # slot -> pid and host, as each rank registered
+        self._where: dict[int, registration.RankPid] = {}  # slot -> pid and host, as each rank registered
         self._codes: dict[int, int | None] = {}
 
     # ---- what a subclass provides -------------------------------------------------------
@@ -108,11 +108,11 @@ class EngineLauncher(Launcher):
         finally:
             os.close(log)
 
-    def _registered(self) -> dict[int, rundir.RankPid]:
+    def _registered(self) -> dict[int, registration.RankPid]:
         """slot -> where each rank that registered so far runs (its pid and host)."""
         if self._run_dir and len(self._where) < self._nprocs:
             offset = self.node_rank * self._nprocs
-            self._where = {r - offset: w for r, w in rundir.read_rank_pids(self._run_dir).items()
+            self._where = {r - offset: w for r, w in registration.read_rank_pids(self._run_dir).items()
                            if 0 <= r - offset < self._nprocs}
         return self._where
 

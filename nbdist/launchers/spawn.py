@@ -16,44 +16,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 from dataclasses import dataclass
 
 from nbdist.errors import LaunchConfigError
 from nbdist.launchers.base import Launcher
 from nbdist.launchers.processes import is_gone
-from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV, read_pids
+from nbdist.launchers.spawn_hooks import starting_ranks
+from nbdist.protocol.registration import read_pids
+from nbdist.protocol.rundir import RUN_DIR_ENV, RUN_ID_ENV
 
 __all__ = ["SpawnLauncher", "check_start_method", "START_METHODS"]
 
-_ENV_LOCK = threading.Lock()
-_STARTING = threading.local()
 START_METHODS = ("warm", "spawn", "fork")
-
-
-def _install_main_skipping():
-    """Make multiprocessing's spawn skip re-running ``__main__`` in our ranks (only ours).
-
-    Everything a rank runs travels by value in the run dir, so the parent's main module is not
-    needed there. Re-running it is what makes ``python -c``/stdin scripts crash in every child,
-    and unguarded scripts launch recursively. Other users of multiprocessing see no change: the
-    filter acts only in the thread that is starting our ranks.
-    """
-    import multiprocessing.spawn as mp_spawn
-
-    original = mp_spawn.get_preparation_data
-    if getattr(original, "_nbdist", False):
-        return
-
-    def get_preparation_data(name):
-        data = original(name)
-        if getattr(_STARTING, "active", False):
-            data.pop("init_main_from_path", None)
-            data.pop("init_main_from_name", None)
-        return data
-
-    get_preparation_data._nbdist = True
-    mp_spawn.get_preparation_data = get_preparation_data
 
 
 def check_start_method(start_method: str) -> None:
@@ -86,25 +60,13 @@ def _exited_unreaped(pid: int) -> bool:
     return info is not None
 
 
-@contextlib.contextmanager
-def _environ_for_children(extra: dict[str, str]):
-    """Put ``extra`` into os.environ while children are started, then restore it exactly.
+def _run_forked_rank(env: dict[str, str], rank: int, run_dir: str) -> None:
+    """A rank forked from the kernel ("fork"): the run's variables are set in the child, after the
+    fork, so the kernel's own environ never holds them."""
+    from nbdist.worker.bootstrap import run_spawned_rank
 
-    multiprocessing's spawn passes the parent's environ as it is at exec time and takes no env
-    of its own. The marker must be in the exec env (``/proc/PID/environ`` shows only that), so
-    it is set for the few milliseconds of the start, under a lock.
-    """
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in extra}
-        os.environ.update(extra)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    os.environ.update(env)
+    run_spawned_rank(rank, run_dir)
 
 
 class _ForkedRanks:
@@ -180,20 +142,22 @@ class SpawnLauncher(Launcher):
             child_env["OMP_NUM_THREADS"] = "1"
         if self.start_method == "warm" and self._start_warm(run_dir, run_id, nprocs, child_env):
             return
-        _install_main_skipping()
         # Plain multiprocessing, not torch.multiprocessing.start_processes: its entry point imports
         # torch before ours runs, so a rank would spend its first seconds without nbdist's stack-dump
         # handler, its log or its process group. Ours imports only nbdist.worker (stdlib) first.
         context = multiprocessing.get_context(self.start_method)
-        processes = [context.Process(target=run_spawned_rank, args=(rank, run_dir), daemon=False,
-                                     name=f"nbdist-rank-{rank}") for rank in range(nprocs)]
-        with _environ_for_children(child_env), dump_signal_held():
-            _STARTING.active = True
-            try:
-                for p in processes:
-                    p.start()
-            finally:
-                _STARTING.active = False
+        if self.start_method == "fork":
+            processes = [context.Process(target=_run_forked_rank, args=(child_env, rank, run_dir), daemon=False,
+                                         name=f"nbdist-rank-{rank}") for rank in range(nprocs)]
+        else:
+            processes = [context.Process(target=run_spawned_rank, args=(rank, run_dir), daemon=False,
+                                         name=f"nbdist-rank-{rank}") for rank in range(nprocs)]
+        # Each child's environment is built here and handed to its exec: the kernel's os.environ is
+        # never changed, not even while the ranks start (a subprocess the notebook starts meanwhile
+        # would carry the run marker, and %dist_stop would kill it).
+        with starting_ranks({**os.environ, **child_env}), dump_signal_held():
+            for p in processes:
+                p.start()
         self._processes = processes
         self._pids = {rank: p.pid for rank, p in enumerate(processes)}
         self._codes = dict.fromkeys(self._pids)

@@ -9,7 +9,8 @@ Layout (all files 0600 in a 0700 folder, because the payload is code)::
     rank{R}.stdout/.stderr   everything the rank wrote to fd 1 and 2
     result.{R}.pkl       the rank's return value
     error.{R}.json       the rank's exception, formatted
-    pids                 "rank pid host" lines, one per rank process
+    ranks/{R}.pid        "pid host" of rank R, and ranks/{R}.running once it is in the user's code
+                         (:mod:`nbdist.protocol.registration`: one file per rank, no shared appends)
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -28,8 +31,6 @@ __all__ = [
     "create_run_dir",
     "discard_run_dir",
     "new_run_id",
-    "record_running",
-    "read_running",
     "TEMPLATE_PREFIX",
     "STORE_HOST_PREFIX",
     "write_private",
@@ -44,10 +45,6 @@ __all__ = [
     "has_error",
     "write_error",
     "read_error",
-    "record_pid",
-    "read_pids",
-    "read_rank_pids",
-    "RankPid",
     "log_path",
     "PULL_FILE",
     "PUSH_FILE",
@@ -61,6 +58,7 @@ RUN_DIR_ENV = "NBDIST_RUN_DIR"
 PULL_FILE = "pull.pkl"  # the --pull variables rank 0 leaves for the kernel
 PUSH_FILE = "pushed.pkl"  # the notebook values a cell reads
 PAYLOAD_FILE = "payload.pkl"
+_HOST = socket.gethostname()
 
 
 @dataclass
@@ -174,7 +172,8 @@ def discard_run_dir(run_dir: str) -> None:
 
 def write_private(path: str, data: bytes) -> None:
     """Write atomically with mode 0600, so a reader sees nothing or everything."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    # Unique across the hosts that share a run dir (a pid alone is not), and across threads.
+    tmp = f"{path}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -308,68 +307,3 @@ def read_error(run_dir: str, rank: int) -> dict | None:
             return json.load(fh)
     except FileNotFoundError:
         return None
-
-
-def record_pid(run_dir: str, rank: int, pid: int) -> None:
-    """Say that ``rank`` runs as ``pid`` on this host: a pid means nothing without its host (a rank of
-    another machine may share a number with an unrelated process here)."""
-    import socket
-
-    # O_APPEND writes of one short line are atomic, so ranks can share the file.
-    fd = os.open(os.path.join(run_dir, "pids"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, f"{rank} {pid} {socket.gethostname()}\n".encode())
-    finally:
-        os.close(fd)
-
-
-def record_running(run_dir: str, rank: int) -> None:
-    """The rank is past its startup (imports, process group) and in the user's code."""
-    fd = os.open(os.path.join(run_dir, "running"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, f"{rank}\n".encode())
-    finally:
-        os.close(fd)
-
-
-def read_running(run_dir: str) -> set[int]:
-    """Ranks that reached the user's code (the others were still starting)."""
-    try:
-        with open(os.path.join(run_dir, "running")) as fh:
-            return {int(line) for line in fh if line.strip().isdigit()}
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
-
-
-@dataclass(frozen=True)
-class RankPid:
-    """Where a rank runs: its pid, and the host that pid belongs to."""
-
-    pid: int
-    host: str
-
-    @property
-    def local(self) -> bool:
-        """On this machine: the only pids that may be signalled or looked up here."""
-        import socket
-
-        return self.host in ("", socket.gethostname())
-
-
-def read_rank_pids(run_dir: str) -> dict[int, RankPid]:
-    """rank -> :class:`RankPid`, as the ranks recorded themselves (on any host)."""
-    out = {}
-    try:
-        with open(os.path.join(run_dir, "pids")) as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) in (2, 3) and parts[0].isdigit() and parts[1].isdigit():
-                    out[int(parts[0])] = RankPid(int(parts[1]), parts[2] if len(parts) == 3 else "")
-    except (FileNotFoundError, NotADirectoryError):
-        pass
-    return out
-
-
-def read_pids(run_dir: str) -> dict[int, int]:
-    """rank -> pid of the ranks that run on this machine (the pids this machine may signal)."""
-    return {rank: where.pid for rank, where in read_rank_pids(run_dir).items() if where.local}

@@ -19,7 +19,7 @@ import pickle
 from dataclasses import dataclass
 
 __all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "STOP_COUNTS_FILE",
-           "STOP_POINT_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay",
+           "STOP_POINT_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay", "shut_down",
            "load_value", "Autoreload"]
 
 
@@ -77,3 +77,16 @@ def load_value(body):
     if isinstance(body, SharedValue):
         return load_shared(body)
     return pickle.loads(body)
+
+
+def shut_down(conn) -> None:
+    """Shut a Connection's socket down both ways (its owner keeps the descriptor): a read or a
+    handshake blocked on it in another thread ends at once. How a deadline cuts a silent peer."""
+    import socket
+
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=conn.fileno())
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.detach()  # the Connection still owns the descriptor

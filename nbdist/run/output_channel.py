@@ -15,9 +15,9 @@ from __future__ import annotations
 import collections
 import secrets
 import threading
-from multiprocessing.connection import Listener
 
 from nbdist.protocol.output_mirror import HEADER, STREAMS
+from nbdist.run.rank_listener import RankHello, RankListener
 
 __all__ = ["OutputChannel", "new_channel_key"]
 
@@ -29,31 +29,30 @@ def new_channel_key() -> str:
 class OutputChannel:
     """The kernel's end: accept authenticated ranks and keep what they send, by rank.
 
+    The listener is the sessions' own (:class:`~nbdist.run.rank_listener.RankListener`): sized for
+    the world, each handshake on its own thread with a deadline, so a silent or garbage connection
+    to this port (it is on the cluster's address) blocks no rank behind it.
+
     Examples
     --------
-    >>> ch = OutputChannel("10.0.0.1", key)      # made by start_run for engine launchers
-    >>> ch.take(3)                                # [(stream, offset, bytes), ...] for rank 3
+    >>> ch = OutputChannel("10.0.0.1", key, nprocs=16)   # made by start_run for engine launchers
+    >>> ch.take(3)                                         # [(stream, offset, bytes), ...] for rank 3
     """
 
-    def __init__(self, host: str, key: str):
-        self._listener = Listener((host, 0), family="AF_INET", authkey=bytes.fromhex(key))
+    def __init__(self, host: str, key: str, nprocs: int = 64):
+        self._listener = RankListener(host, bytes.fromhex(key), nprocs)
         self.address = self._listener.address
         self._pieces: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._lock = threading.Lock()
-        self._closed = False
-        self.refused = 0  # connections that failed the challenge
-        threading.Thread(target=self._accept, name="nbdist-output-channel", daemon=True).start()
+        self._listener.serve(self._on_hello)
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn = self._listener.accept()  # runs the HMAC challenge both ways
-            except OSError:  # closed
-                return
-            except Exception:  # a peer without the key (AuthenticationError) or a broken handshake
-                self.refused += 1
-                continue
-            threading.Thread(target=self._read, args=(conn,), name="nbdist-output-reader", daemon=True).start()
+    @property
+    def refused(self) -> int:
+        """Connections that failed the handshake (a wrong key, garbage, silence past the deadline)."""
+        return self._listener.refused
+
+    def _on_hello(self, hello: RankHello) -> None:
+        threading.Thread(target=self._read, args=(hello.conn,), name="nbdist-output-reader", daemon=True).start()
 
     def _read(self, conn) -> None:
         with conn:
@@ -78,10 +77,4 @@ class OutputChannel:
         return list(pieces or ())
 
     def close(self) -> None:
-        self._closed = True
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-
-
+        self._listener.close()

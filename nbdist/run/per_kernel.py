@@ -6,7 +6,8 @@ store and broadcasts where it is, and every kernel gets every rank's value.
 from __future__ import annotations
 
 from nbdist.errors import LaunchConfigError, WorkerFailedError
-from nbdist.launchers.attach import KEEP, StoreComm, agent_store_comm, gather, mpi_world, node_address, slurm_store
+from nbdist.launchers.attach import KEEP, kernel_comm, mpi_world, node_address
+from nbdist.launchers.kernel_comm import TorchComm, next_round
 from nbdist.protocol.world import WorldInfo
 
 __all__ = ["start_per_kernel", "gather_per_kernel", "run_per_kernel"]
@@ -15,13 +16,10 @@ __all__ = ["start_per_kernel", "gather_per_kernel", "run_per_kernel"]
 def _kernel_channel(world: WorldInfo):
     """``(comm, rank, size, local_size)`` for talking between the kernels of ``world``."""
     if world.kind == "mpi":
-        comm, rank, size, _local, local_size = mpi_world()
-        return comm, rank, size, local_size
-    if world.kind == "slurm":
-        return StoreComm(slurm_store(world.rank, world.world_size), world.rank, world.world_size), \
-            world.rank, world.world_size, world.local_world_size
-    comm = agent_store_comm(world.rank, world.world_size)
-    if comm is None:
+        mpi, rank, size, _local, local_size = mpi_world()
+        return kernel_comm(world, rank, size, mpi=mpi), rank, size, local_size
+    comm = kernel_comm(world, world.rank, world.world_size)
+    if isinstance(comm, TorchComm):  # the kernels have no process group of their own here
         raise LaunchConfigError(
             f"nprocs= in a kernel that is a rank of a {world.kind} world needs a channel between the kernels: "
             "start the kernels with mpirun, srun or torchrun"
@@ -50,7 +48,8 @@ def start_per_kernel(fn, args, kwargs, world: WorldInfo, options, *, run_id=None
         if rank == 0:
             hosted = open_rendezvous("auto", size * nprocs, host=node_address(local_size == size), here=True)
             KEEP["hosted"] = hosted.store
-        addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None, root=0)
+        addr, port = comm.bcast((hosted.master_addr, hosted.master_port) if hosted else None,
+                                next_round("per-kernel-store"), root=0)
         rdzv = Rendezvous("env://", addr, port, True, hosted.store if hosted else None)
     launcher = SpawnLauncher(start_method=options.start_method, nnodes=size, node_rank=rank)
     run = start_run(fn, args, kwargs, options, launcher=launcher, rendezvous=rdzv, run_id=run_id, run_dir=run_dir)
@@ -67,7 +66,7 @@ def gather_per_kernel(run, channel) -> dict:
         mine = (False, exc.results, exc.failures)
     except BaseException as exc:  # stopped (Ctrl-C too) or timed out: the others must not wait for us forever
         stopped, mine = exc, (False, run.results, {})
-    everyone = gather(mine, comm, rank, size)
+    everyone = comm.allgather(mine, next_round("per-kernel"))
     KEEP["hosted"] = None  # every kernel's ranks are done with kernel 0's store now
     if stopped is not None:
         raise stopped

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import psutil
 
 from nbdist.protocol.marker import read_marker
-from nbdist.protocol.rundir import STORE_HOST_PREFIX, TEMPLATE_PREFIX, read_pids, read_spec
+from nbdist.protocol.registration import read_pids
+from nbdist.protocol.rundir import STORE_HOST_PREFIX, TEMPLATE_PREFIX, read_spec
 
 __all__ = ["MarkedProcess", "Owner", "find_marked", "find_owner"]
 

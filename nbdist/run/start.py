@@ -57,7 +57,7 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
             from nbdist.run.output_channel import OutputChannel, new_channel_key
 
             spec.output_key = new_channel_key()
-            channel = OutputChannel(master_addr, spec.output_key)
+            channel = OutputChannel(master_addr, spec.output_key, world_size)
             spec.output_channel = list(channel.address)
         rundir.write_spec(run_dir, spec)
     except BaseException:  # nothing started: leave nothing behind

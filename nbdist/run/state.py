@@ -91,6 +91,9 @@ class Run(EventSource):
         self._done = threading.Event()
         self._pump_lock = threading.Lock()
         self._pumped_final = False
+        from nbdist.run.monitor import MonitorPace
+
+        self.pace = MonitorPace()  # the monitor's rhythm: fast while ranks write, slow when idle
         # What the monitor and the ending keep about the ranks, for the failure report:
         self.stop_lock = threading.Lock()
         self.stopping: str | None = None  # the status a stop under way ends the run with
@@ -184,6 +187,7 @@ class Run(EventSource):
             for r, out in self.outputs.items():
                 pieces = self.channel.take(self.global_rank(r)) if self.channel is not None else ()
                 for chunk in out.poll(final=final, pieces=pieces):
+                    self.pace.note_news()
                     self._emit(chunk)
 
     def _has_read_to(self, sizes: dict) -> bool:
@@ -224,6 +228,7 @@ class Run(EventSource):
         self.ended = time.monotonic()
         _LIVE_RUNS.discard(self)
         self._done.set()
+        self.pace.wake()  # the monitor sees the end now, not a quiet tick later, and closes the pace
         self._emit(RunEvent(status, None, self.error or self.report))
 
     # ---- what users call ------------------------------------------------------------------

@@ -11,7 +11,7 @@ go down together, agreeing through the world's store (:mod:`nbdist.session.peers
 
 The channel that carries cells is code execution: ``multiprocessing.connection`` with a
 per-incarnation key (a 0600 file in the 0700 run dir), listening on loopback unless the world
-options ask for another address (:mod:`nbdist.session.rank_channel`).
+options ask for another address (:mod:`nbdist.run.rank_listener`).
 """
 
 from __future__ import annotations

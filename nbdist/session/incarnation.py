@@ -42,7 +42,7 @@ from nbdist.run.events import TERMINAL, OutputChunk, RunEvent
 from nbdist.session.bring_up import bring_up
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
-from nbdist.session.rank_channel import RankListener
+from nbdist.run.rank_listener import RankListener
 from nbdist.session.watched_files import WatchedFiles
 from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
                                      interrupt_ranks, recover, release_if_asked, stop_cell)
@@ -365,6 +365,7 @@ class Incarnation:
             # Ranks on this machine see the kernel's files: it stats each once for all of them.
             autoreload = dataclasses.replace(autoreload, changed=self.watched_files.changed())
         options = {"check_collectives": bool(check_collectives), "autoreload": None if internal else autoreload}
+        self.rank_run.pace.wake()  # the cell's first lines show live, not a quiet tick late
         self.send(targets, ("cell", cell.cell_id, cell_dir, options, payload))
         return cell
 

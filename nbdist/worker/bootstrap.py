@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from nbdist.protocol import rundir
+from nbdist.protocol import registration, rundir
 from nbdist.protocol.rundir import RankIdentity, RunSpec
 from nbdist.protocol.signals import (RANK_THREAD_SIGNALS, CUT_SIGNAL, PARENT_DIED_SIGNAL, STACK_DUMP_SIGNAL,
                                      set_pdeathsig)
@@ -133,7 +133,7 @@ def prepare_rank_process(run_dir: str, spec: RunSpec, identity: RankIdentity, ow
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_DUMP_SIGNAL})
     export_rank_env(spec, identity)
     # After the handler: the kernel signals only ranks it knows, and an engine's ranks it knows from here.
-    rundir.record_pid(run_dir, identity.rank, os.getpid())
+    registration.record_pid(run_dir, identity.rank, os.getpid())
 
 
 def redirect_output(run_dir: str, rank: int) -> None:
@@ -244,7 +244,7 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity, leaving: bo
     try:
         created_group = init_distributed(spec, identity)
         fn, args, kwargs, _extra = rundir.read_payload(run_dir)
-        rundir.record_running(run_dir, identity.rank)
+        registration.record_running(run_dir, identity.rank)
         value = fn(*args, **kwargs)
         rundir.write_result(run_dir, identity.rank, value)
         code = 0

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
-from multiprocessing.connection import Client
 
 from nbdist.protocol.output_mirror import FORCE_ENV, HEADER, STREAMS
+from nbdist.worker.kernel_connect import KernelUnreachable, connect_to_kernel
 
 __all__ = ["OutputMirror", "should_mirror"]
 
@@ -24,8 +25,10 @@ def should_mirror(kernel_host: str | None, env=os.environ) -> bool:
 class OutputMirror:
     """The rank's end: tail this rank's own log files and send the new bytes to the kernel."""
 
-    def __init__(self, address, key: str, run_dir: str, rank: int, interval: float = 0.1):
-        self._conn = Client(tuple(address), family="AF_INET", authkey=bytes.fromhex(key))
+    def __init__(self, address, key: str, run_dir: str, rank: int, interval: float = 0.1,
+                 connect_timeout: float = 30.0):
+        self._address, self._key, self._connect_timeout = tuple(address), bytes.fromhex(key), connect_timeout
+        self._conn = None  # connected on the mirror's thread: the rank's code never waits for it
         self._paths = [os.path.join(run_dir, f"rank{rank}.{s}") for s in STREAMS]
         self._offsets = [0, 0]
         self._rank = rank
@@ -36,6 +39,8 @@ class OutputMirror:
         self._thread.start()
 
     def _send_new(self) -> None:
+        if self._conn is None:
+            return  # never connected: the log files have it all
         with self._lock:
             for i, path in enumerate(self._paths):
                 try:
@@ -49,6 +54,11 @@ class OutputMirror:
                     self._offsets[i] += len(data)
 
     def _loop(self) -> None:
+        try:
+            self._conn = connect_to_kernel(self._address, self._key, self._rank, self._connect_timeout)
+        except KernelUnreachable as exc:  # the shared log files still carry everything
+            print(f"nbdist: no live output channel to the kernel ({exc})", file=sys.stderr, flush=True)
+            return
         while not self._stop.wait(self._interval):
             try:
                 self._send_new()
@@ -61,6 +71,7 @@ class OutputMirror:
         self._thread.join(timeout=2)
         try:
             self._send_new()
-            self._conn.close()
+            if self._conn is not None:
+                self._conn.close()
         except OSError:
             pass

@@ -19,11 +19,27 @@ import torch
 import torch.distributed as dist
 
 from nbdist.worker.model_reset import _live_ddp_models
+from nbdist.worker.signed_collectives import agree_key, all_gather_signed, broadcast_signed
 
 __all__ = ["sync_replicas"]
 
 _UNCHANGED = "; nothing was re-synced"
 
+
+
+def _session_key() -> bytes | None:
+    """The key of the session this rank serves (its run dir's 0600 key file), or None outside one."""
+    import os
+
+    from nbdist.protocol.rundir import RUN_DIR_ENV
+    from nbdist.protocol.session_channel import SESSION_KEY_FILE
+
+    run_dir = (os.environ.get(RUN_DIR_ENV) or "").rstrip()
+    try:
+        with open(os.path.join(run_dir, SESSION_KEY_FILE), "rb") as fh:
+            return fh.read() or None
+    except OSError:
+        return None
 
 def sync_replicas(src: int = 0) -> dict:
     """Make every DDP replica and its optimizers equal to rank ``src``'s; collective, on every rank alike.
@@ -55,8 +71,12 @@ def sync_replicas(src: int = 0) -> dict:
     models = _live_ddp_models()
     tensors = [_list_model_tensors(model) for model in models]
     optimizers, skipped = _find_optimizers(tensors)
-    descriptions: list = [None] * world
-    dist.all_gather_object(descriptions, _describe(src, models, tensors, optimizers, skipped))
+    # Signed with the session's key: a peer's bytes are checked before anything of them is unpickled.
+    key = agree_key(_session_key())
+    round_ = f"sync/{time.time_ns()}" if rank == src else None
+    round_ = broadcast_signed(round_, key=key, topic="sync/round", src=src)
+    descriptions = all_gather_signed(_describe(src, models, tensors, optimizers, skipped), key=key,
+                                     topic=f"{round_}/describe")
     _check_models(descriptions, src)
     given = _check_optimizers(descriptions, src)
     # Every rank passed the same checks on the same descriptions: from here on none raises alone.
@@ -70,8 +90,8 @@ def sync_replicas(src: int = 0) -> dict:
                       for (i, _, optimizer), spec in zip(optimizers, plan)
                       for j, entries in spec["state"].items() for key, entry in entries.items() if entry[0] == "tensor"]
         _finish_broadcasts(_issue_broadcasts(model_jobs + state_jobs, src))
-        sent = [_collect_settings(optimizers, plan, tensors, time.perf_counter() - started) if rank == src else None]
-        dist.broadcast_object_list(sent, src=src)
+        sent = [broadcast_signed(_collect_settings(optimizers, plan, tensors, time.perf_counter() - started)
+                                 if rank == src else None, key=key, topic=f"{round_}/settings", src=src)]
         if rank != src:
             _apply_settings(optimizers, tensors, sent[0]["optimizers"])
     return {"src": src, "models": len(models), "tensors": len(model_jobs), "bytes": _count_bytes(model_jobs),

@@ -21,11 +21,11 @@ import signal
 import socket
 import sys
 import threading
-from multiprocessing.connection import Client
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import SESSION_KEY_FILE, set_nodelay
+from nbdist.protocol.session_channel import SESSION_KEY_FILE
 from nbdist.protocol.shared_values import dump_shared, load_shared
+from nbdist.worker.kernel_connect import connect_to_kernel
 from nbdist.worker.rank_signals import RunningCell, answer_signals, stop_asked as _stop_asked
 from nbdist.worker.rank_signals import torch_groups_in_use as _torch_groups_in_use
 
@@ -166,8 +166,8 @@ def serve_session(session_dir: str, address) -> None:
     rank = int(os.environ.get("RANK", "0"))
     _KERNEL_HERE = rundir.read_spec(session_dir).kernel_host == socket.gethostname()
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
-    conn = Client(tuple(address), authkey=_read_key(session_dir))
-    set_nodelay(conn)
+    # Within a deadline, hello included: a kernel that can't be reached ends this rank, saying why.
+    conn = connect_to_kernel(address, _read_key(session_dir), rank)
     lock = threading.Lock()  # a cell's own threads may display while the loop reports
     running = RunningCell()  # the cell running now (its displays, and what a cut may touch)
 
@@ -189,7 +189,6 @@ def serve_session(session_dir: str, address) -> None:
     display.install(send_display)  # display() and plt.show() reach the notebook
     track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
     threading.Thread(target=answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
-    send(("hello", rank, os.getpid(), socket.gethostname()))
     while True:
         try:
             message = conn.recv()

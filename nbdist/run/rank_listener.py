@@ -1,5 +1,6 @@
-"""Where a session's ranks connect to the kernel: a listener sized for the world, a handshake per rank
-that can't hold up the others, and a deadline that says who never came.
+"""Where ranks connect to the kernel, for a session's cells and for a run's live output from other
+machines: one listener sized for the world, a handshake per connection that can't hold up the
+others, and a deadline that says who never came.
 
 ``multiprocessing.connection.Listener`` listens with a backlog of 1 and runs the HMAC handshake
 inside ``accept()``: eight ranks connecting at once overflow the queue (the dropped ones believe
@@ -7,7 +8,10 @@ they are connected and wait for a challenge for ever), and one silent peer block
 behind it. So the socket here listens with a backlog that fits the world, each accepted connection
 is authenticated on a thread of its own with a deadline (``deliver_challenge``/``answer_challenge``,
 the same HMAC exchange ``Listener`` and ``Client`` make), and the accept loop itself waits with a
-deadline. Nothing listens once every rank is in.
+deadline. A session stops listening once every rank is in (:meth:`RankListener.accept_all`); a run's
+output channel listens for the run's life (:meth:`RankListener.serve`), since ranks of an engine
+connect whenever they start. Either way a silent or garbage connection costs one thread for at most
+``HANDSHAKE_TIMEOUT_S`` and blocks nobody. The rank's end is :func:`nbdist.worker.kernel_connect.connect_to_kernel`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from nbdist.protocol.session_channel import set_nodelay
+from nbdist.protocol.session_channel import set_nodelay, shut_down
 
 __all__ = ["RankHello", "RankListener", "HANDSHAKE_TIMEOUT_S"]
 
@@ -38,7 +42,7 @@ class RankHello:
 
 
 class RankListener:
-    """Accept ``nprocs`` authenticated ranks on ``(host, 0)``; see the module's docstring.
+    """Accept authenticated ranks on ``(host, 0)``; see the module's docstring.
 
     Examples
     --------
@@ -97,11 +101,29 @@ class RankListener:
                           timeout=max(0.0, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
             return set(arrived)
 
+    def serve(self, on_hello) -> threading.Thread:
+        """Accept ranks until :meth:`close`, on a thread of its own; each that says hello is given
+        to ``on_hello`` (from its handshake's thread)."""
+        def loop() -> None:
+            while not self._closed:
+                try:
+                    readable, _, _ = select.select([self._sock], [], [], 0.5)
+                    if readable:
+                        client, _ = self._sock.accept()
+                        threading.Thread(target=self._greet, args=(client, on_hello), daemon=True,
+                                         name="nbdist-channel-handshake").start()
+                except (OSError, ValueError):  # closed under us, or a peer that left before accept
+                    continue
+
+        thread = threading.Thread(target=loop, name="nbdist-channel-accept", daemon=True)
+        thread.start()
+        return thread
+
     def _greet(self, client: socket.socket, greeted) -> None:
         """The HMAC handshake both ways, then the rank's hello; a peer that is silent past the
         deadline has its socket shut down, which ends the wait here and nowhere else."""
         conn = Connection(client.detach())
-        timer = threading.Timer(HANDSHAKE_TIMEOUT_S, _shut_down, args=(conn,))
+        timer = threading.Timer(HANDSHAKE_TIMEOUT_S, shut_down, args=(conn,))
         timer.daemon = True
         timer.start()
         try:
@@ -125,12 +147,3 @@ class RankListener:
         self._closed = True
         with contextlib.suppress(OSError):
             self._sock.close()
-
-
-def _shut_down(conn: Connection) -> None:
-    with contextlib.suppress(OSError):
-        sock = socket.socket(fileno=conn.fileno())
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        finally:
-            sock.detach()  # the Connection still owns the descriptor
