@@ -164,10 +164,18 @@ def netns_missing() -> str | None:
 
 @dataclass
 class NetnsPair:
-    """Namespaces ``names[0]`` and ``names[1]`` with ``addrs[0]`` and ``addrs[1]`` on a veth pair."""
+    """Two "nodes" on this machine: namespaces ``names[0]`` and ``names[1]``, each with its own address
+    (``addrs``) on a veth pair, and, for what runs in them through :meth:`command`, its own host name
+    (``hosts``: nbdist then treats the other node's ranks as remote, as on a cluster). The veth end is
+    called ``nbdnet`` in both, so one GLOO_SOCKET_IFNAME fits every rank. Both see the same file
+    system: a folder of the test's stands in for the cluster's shared one, and each node gets a runs
+    folder of its own for node-local run dirs.
+    """
 
     names: tuple
     addrs: tuple
+    hosts: tuple = ("nbdnodea", "nbdnodeb")
+    ifname: str = "nbdnet"
 
     @classmethod
     def create(cls, tag: str) -> "NetnsPair":
@@ -178,10 +186,16 @@ class NetnsPair:
             _ip("link", "add", f"v{tag}a", "type", "veth", "peer", "name", f"v{tag}b")
             for i, ns in enumerate(names):
                 _ip("netns", "add", ns)
+                # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts: each node resolves both
+                # nodes' names, as a cluster's DNS would (torch's c10d rendezvous looks its own up).
+                os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+                with open(f"/etc/netns/{ns}/hosts", "w") as fh:
+                    fh.write("127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(addrs, pair.hosts)))
                 veth = f"v{tag}{'ab'[i]}"
                 _ip("link", "set", veth, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{addrs[i]}/24", "dev", veth)
-                _ip("-n", ns, "link", "set", veth, "up")
+                _ip("-n", ns, "link", "set", veth, "name", pair.ifname)
+                _ip("-n", ns, "addr", "add", f"{addrs[i]}/24", "dev", pair.ifname)
+                _ip("-n", ns, "link", "set", pair.ifname, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
         except BaseException:
             pair.remove()
@@ -189,11 +203,32 @@ class NetnsPair:
         return pair
 
     def command(self, index: int, argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", self.names[index], *argv]
+        """``argv`` run on node ``index``: in its network namespace, under its own host name."""
+        return ["ip", "netns", "exec", self.names[index], "unshare", "--uts", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.hosts[index], *argv]
+
+    def ssh_stand_in(self, path: str) -> str:
+        """Write an executable at ``path`` that does what ``ssh HOST CMD`` would, for the two nodes'
+        addresses (``mpiexec -launcher ssh -launcher-exec PATH``); return ``path``."""
+        cases = "\n".join(f"  {addr}) exec ip netns exec {ns} unshare --uts sh -c 'hostname \"$0\" && exec sh -c \"$1\"' "
+                          f"{host} \"$*\" ;;" for addr, ns, host in zip(self.addrs, self.names, self.hosts))
+        with open(path, "w") as fh:
+            fh.write(f"""#!/bin/sh
+# ssh's stand-in: [options] HOST CMD... runs CMD on HOST's node (its namespace and host name).
+while [ "${{1#-}}" != "$1" ]; do shift; done
+host="$1"; shift
+case "$host" in
+{cases}
+  *) echo "no node at $host" >&2; exit 255 ;;
+esac
+""")
+        os.chmod(path, 0o755)
+        return path
 
     def remove(self) -> None:
         for ns in self.names:  # deleting a namespace deletes its end of the veth, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
 def _ip(*args) -> None:

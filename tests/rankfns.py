@@ -31,6 +31,14 @@ def report_env():
     }
 
 
+def say_where_then_report():
+    """A line naming this rank's host, then :func:`report_world` with the host."""
+    import socket
+
+    print(f"rank {dist.get_rank()} on {socket.gethostname()} says hello", flush=True)
+    return dict(report_world(), host=socket.gethostname())
+
+
 def rank_and_pid():
     return int(os.environ["RANK"]), os.getpid()
 

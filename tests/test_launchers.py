@@ -185,12 +185,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_node_kernels(script, master_addr, prefix=lambda i: [], extra=()):
+def _run_node_kernels(script, master_addr, prefix=lambda i: [], extra=(), env=lambda i: None):
     """Two separate processes, node 1 started first, each a kernel running ``script``; each one's
-    ``RESULT`` line as ``(node0, node1)``."""
+    ``RESULT`` line as ``(node0, node1)``. ``env(k)``: node k's environment (None: this one's)."""
     port = str(_free_port())
     procs = [subprocess.Popen(prefix(k) + [sys.executable, str(script), str(k), master_addr, port, *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (1, 0)]
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(k))
+             for k in (1, 0)]
     outs = []
     try:
         for p in procs:
@@ -323,6 +324,11 @@ def test_a_two_node_torchrun_session_keeps_state_and_re_forms_across_both_kernel
     script = tmp_path / "session_node.py"
     script.write_text(SESSION_NODE_SCRIPT.format())
     node0, node1 = _run_node_kernels(script, "127.0.0.1", extra=(str(tmp_path),))
+    check_two_node_session(node0, node1)
+
+
+def check_two_node_session(node0, node1):
+    """What SESSION_NODE_SCRIPT's two kernels must have seen (on loopback, or across two namespaces)."""
     assert node0["world"] == {"0": [4, 10.0], "1": [4, 10.0]} and node1["world"] == {"2": [4, 10.0], "3": [4, 10.0]}
     assert node0["again"] == {"0": [0, 40.0], "1": [10, 40.0]} and node1["again"] == {"2": [20, 40.0], "3": [30, 40.0]}
     # The raise: node 1 names its rank; node 0 names node 1 and the cause; both re-formed, state kept.
@@ -407,8 +413,7 @@ def test_two_torchrun_kernels_across_network_namespaces(tmp_path):
     _check_world_of_4(node0, node1)
     # Each node's ranks advertised their own namespace's address, not loopback.
     assert {v["master_addr"] for v in {**node0, **node1}.values()} <= set(pair.addrs)
-    assert {v["gloo_ifname"] for v in {**node0, **node1}.values()} <= {f"v{os.getpid() % 10000}a",
-                                                                      f"v{os.getpid() % 10000}b"}
+    assert {v["gloo_ifname"] for v in {**node0, **node1}.values()} == {pair.ifname}
 
 
 def test_torchrun_with_nnodes_needs_master_port():

@@ -44,6 +44,7 @@ class OutputChannel:
         self.address = self._listener.address
         self._pieces: dict[int, collections.deque] = collections.defaultdict(collections.deque)
         self._lock = threading.Lock()
+        self.received: collections.Counter = collections.Counter()  # rank -> bytes that came this way
         self._listener.serve(self._on_hello)
 
     @property
@@ -69,6 +70,7 @@ class OutputChannel:
                 data = msg[HEADER.size:]
                 with self._lock:
                     self._pieces[rank].append((STREAMS[stream], offset, data))
+                    self.received[rank] += len(data)
 
     def take(self, rank: int) -> list[tuple[str, int, bytes]]:
         """What arrived for ``rank`` since the last call, oldest first."""

@@ -108,7 +108,11 @@ class Incarnation:
         try:
             key = secrets.token_bytes(32)
             rundir.write_private(os.path.join(self.run_dir, SESSION_KEY_FILE), key)
-            self.listener = RankListener(choose_master_addr(engine, options.master_addr), key, self.nprocs)
+            # torchrun's agent starts this node's ranks here (other nodes' kernels have their own): they reach
+            # this kernel on loopback. master_addr is node 0's address, which no other node can bind.
+            host = "127.0.0.1" if engine is not None and not engine.remote_ranks else \
+                choose_master_addr(engine, options.master_addr)
+            self.listener = RankListener(host, key, self.nprocs)
         except BaseException:
             rundir.discard_run_dir(self.run_dir)
             raise

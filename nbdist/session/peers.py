@@ -20,9 +20,14 @@ Two kinds of event, numbered keys under ``nbdist-world/`` (an atomic counter ord
     This node's part was closed or lost: the world can't work without it, so the others stop
     their parts at once and say why, instead of waiting out a re-forming that can't complete.
 
-One thread per kernel reads the events in order, blocked in the store's ``wait`` (no polling: an
-idle session costs nothing). When node 0's agent goes away, so does the store: that read fails,
-which the other kernels take as ``gone``.
+One thread per kernel reads the events in order, blocked in the store's ``wait``. When node 0's
+agent goes away, so does the store: that read fails, which the other kernels take as ``gone``.
+
+A kernel that is SIGKILLed (or whose machine goes down) can't say ``gone``, and an idle world never
+notices: its ranks only find out at the next collective, and re-forming then waits out its deadline
+for ranks that will never come. So each wait ends every ``HEARTBEAT_S``: the kernel bumps its own
+counter in the store and reads the others'. A kernel whose counter stood still for ``LOST_AFTER_S``
+is taken as gone, and said so. That is a few store calls per kernel every 2 s.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from nbdist.errors import WorkerFailedError
 __all__ = ["WorldLink", "link_kernels", "tell_world_gone", "on_world_event", "announce_stop"]
 
 _PREFIX = "nbdist-world/"
-_WAIT_S = 24 * 3600  # a wait that expires only renews itself (one wake-up a day)
+HEARTBEAT_S = 2.0  # each kernel says it is alive this often (a store add), and reads the others'
+LOST_AFTER_S = 15.0  # no word from a kernel for this long: it was killed, or its machine went down
 
 
 class WorldLink:
@@ -52,8 +58,10 @@ class WorldLink:
         ``on_event(event: dict)`` for every other node's event, on the reading thread.
     """
 
-    def __init__(self, addr: str, port: int, node: int, on_event):
-        self.addr, self.port, self.node = addr, port, node
+    def __init__(self, addr: str, port: int, node: int, on_event, nnodes: int = 1):
+        self.addr, self.port, self.node, self.nnodes = addr, port, node, nnodes
+        self._beats: dict[int, tuple[int, float]] = {}  # node -> (its counter, when it last moved)
+        self._last_beat = float("-inf")
         self._on_event = on_event
         self._store = None
         self._connected = threading.Event()
@@ -100,9 +108,15 @@ class WorldLink:
         self._connected.set()
         number = 1
         while True:
+            silent = self._beat()  # due every HEARTBEAT_S: events or not
+            if silent is not None:
+                self._on_event({"kind": "gone", "node": silent, "why": (
+                    f"stopped answering: no word from its kernel for {LOST_AFTER_S:.0f} s "
+                    f"(killed, or its machine went down)")})
+                return
             key = f"{_PREFIX}event{number}"
             try:
-                reader.wait([key], timedelta(seconds=_WAIT_S))
+                reader.wait([key], timedelta(seconds=HEARTBEAT_S))
                 event = json.loads(reader.get(key))
             except Exception as exc:
                 if "timeout" in str(exc).lower() and not self._closing:
@@ -117,6 +131,28 @@ class WorldLink:
                 continue
             self._on_event(event)
 
+    def _beat(self) -> int | None:
+        """Say this kernel is alive (at most every HEARTBEAT_S); the first other node whose kernel went
+        silent, or None."""
+        import time
+
+        now = time.monotonic()
+        if now - self._last_beat < HEARTBEAT_S:
+            return None
+        self._last_beat = now
+        with contextlib.suppress(Exception):  # the store is gone: the next wait says so
+            self._store.add(f"{_PREFIX}alive{self.node}", 1)
+            for node in range(self.nnodes):
+                if node == self.node:
+                    continue
+                count = self._store.add(f"{_PREFIX}alive{node}", 0)
+                last = self._beats.get(node)
+                if last is None or count != last[0]:
+                    self._beats[node] = (count, now)
+                elif count > 0 and now - last[1] > LOST_AFTER_S:
+                    return node  # it had said it was alive, and then fell silent
+        return None
+
 
 def link_kernels(inc, engine) -> WorldLink:
     """Start incarnation ``inc``'s link to the other kernels of its world (torchrun's rendezvous store)."""
@@ -124,7 +160,8 @@ def link_kernels(inc, engine) -> WorldLink:
     def on_event(event):  # stopping or re-forming waits on the ranks: not on the reading thread
         threading.Thread(target=on_world_event, args=(inc, event), daemon=True).start()
 
-    return WorldLink(engine.master_addr, engine.master_port, inc.options.node_rank, on_event).start()
+    return WorldLink(engine.master_addr, engine.master_port, inc.options.node_rank, on_event,
+                     inc.options.nnodes).start()
 
 
 def tell_world_gone(inc, why: str) -> None:
