@@ -280,8 +280,11 @@ def test_run_dir_is_private_and_the_store_listens_on_loopback_only():
         listening = [c for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_LISTEN]
         assert listening and all(c.laddr.ip == "127.0.0.1" for c in listening), listening
         assert stat.S_IMODE(os.stat(run.run_dir).st_mode) == 0o700
-        for name in os.listdir(run.run_dir):
-            assert stat.S_IMODE(os.stat(os.path.join(run.run_dir, name)).st_mode) == 0o600, name
+        for folder, dirs, files in os.walk(run.run_dir):  # ranks/ holds each rank's registration
+            for name in dirs:
+                assert stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) == 0o700, name
+            for name in files:
+                assert stat.S_IMODE(os.stat(os.path.join(folder, name)).st_mode) == 0o600, name
     finally:
         run.kill()
     assert run.status == "killed"
