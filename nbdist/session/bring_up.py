@@ -33,8 +33,7 @@ def bring_up(inc, engine) -> None:
     except BaseException as exc:  # start-or-close already stopped what it started
         with inc.lock:
             inc.lost_reason = f"the session could not start: {type(exc).__name__}: {exc}"
-            if inc.status != "closed":
-                inc.status = "broken"
+            inc.life.end("lost")
         inc.listener.close()
         inc.ready.set()
         return
@@ -64,9 +63,8 @@ def _accept_ranks(inc) -> bool:
     inc.listener.close()  # nothing more may connect
     missing = sorted(_expected_ranks(inc) - arrived)
     with inc.lock:
-        up = inc.status == "starting" and not missing
+        up = not missing and inc.life.move("idle", only_from=("starting",))
         if up:
-            inc.status = "idle"
             inc.ready_after = time.monotonic() - inc.started_at
             if inc.options.nnodes > 1:  # only now: the world formed, the store there is this world's
                 inc.world = link_kernels(inc, inc.engine)

@@ -40,6 +40,7 @@ from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import INLINE_PAYLOAD_MAX, SESSION_KEY_FILE
 from nbdist.run.events import TERMINAL, OutputChunk, RunEvent
 from nbdist.session.bring_up import bring_up
+from nbdist.session.lifecycle import Life
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
 from nbdist.run.rank_listener import RankListener
@@ -47,11 +48,9 @@ from nbdist.session.watched_files import WatchedFiles
 from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
                                      interrupt_ranks, recover, release_if_asked, stop_cell)
 
-__all__ = ["Incarnation", "default_start_timeout", "ENDED"]
+__all__ = ["Incarnation", "default_start_timeout"]
 
 log = logging.getLogger(__name__)
-
-ENDED = ("broken", "closed")
 
 
 def default_start_timeout(nprocs: int) -> float:
@@ -68,7 +67,8 @@ class Incarnation:
     Attributes
     ----------
     status : str
-        "starting", "idle", "busy", "broken" or "closed"; the last two are final.
+        "starting", "idle", "busy", "broken" or "closed"; the last two are final. The state machine
+        behind it (recovering, degraded, healing too) is ``life`` (:mod:`nbdist.session.lifecycle`).
     session_id, run_dir : str
         The marker of every process of this incarnation, and its record (logs, cells).
     """
@@ -78,8 +78,9 @@ class Incarnation:
 
         engine = options.make_engine()
         self.options, self.number, self.restart_hint = options, number, restart_hint
-        self.status, self.lost_reason = "starting", None
+        self.lost_reason = None
         self.lock = threading.RLock()
+        self.life = Life(self.lock)  # its state and the groups' generation: every move is made there
         self.conns: dict[int, object] = {}
         self.pids: dict[int, int] = {}
         self.remote: set[int] = set()  # ranks on other machines (srun, mpirun with hosts): never signalled
@@ -87,7 +88,6 @@ class Incarnation:
         self.active: CellHandle | None = None
         self.recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
         self.send_lock = threading.Lock()
-        self.generation = 0  # of the ranks' process groups, one more per re-forming
         self.reform_due = -1  # the generation another node's kernel re-forms from (nbdist.session.peers)
         self.stopped_by: str | None = None  # that kernel's reason
         self.told = threading.Condition(self.lock)  # notified when another kernel says it stopped
@@ -129,8 +129,17 @@ class Incarnation:
         return f"<nbdist session incarnation {self.number} {self.session_id} {self.status}>"
 
     @property
+    def status(self) -> str:
+        """As ``Session.status`` says it: "starting", "idle", "busy", "broken" or "closed"."""
+        return self.life.public
+
+    @property
+    def generation(self) -> int:
+        return self.life.generation
+
+    @property
     def ended(self) -> bool:
-        return self.status in ENDED
+        return self.life.ended
 
     # ---- replies -----------------------------------------------------------------------------
     def read_replies(self) -> None:
@@ -192,6 +201,8 @@ class Incarnation:
             return
         if cell.failures or cell.interrupted or self.reform_due == self.generation:
             with self.lock:
+                if not self.life.move("recovering", only_from=("busy",)):
+                    return  # lost or closed meanwhile: whoever ended it ended the cell too
                 self.recovering = cell
             # Not on this thread: it reads the ranks' replies, which bringing them in step needs.
             threading.Thread(target=recover, args=(self, cell), daemon=True).start()
@@ -201,8 +212,7 @@ class Incarnation:
     def become_idle(self, cell: CellHandle) -> None:
         """The cell is over and the ranks are in step: idle, then the cell says it is done."""
         with self.lock:  # idle before the cell says it is done: the caller's next cell must find it so
-            if self.status == "busy":
-                self.status = "idle"
+            self.life.move("idle", only_from=("busy", "recovering"))
             self.recovering = None
         cell.finish()
 
@@ -220,12 +230,12 @@ class Incarnation:
             return
         error = self.rank_run.error
         with self.lock:
-            if self.status == "closed":
+            if self.life.state == "closed":
                 return
             if self.lost_reason is None:
                 why = error.summary() if hasattr(error, "summary") else f"its ranks ended ({event.status})"
                 self.lost_reason = f"the session was lost: {why}; its state is gone; {self.restart_hint}"
-            self.status = "broken"
+            self.life.end("lost")
         self.ready.set()
         self.listener.close()
         for cell in (self.active, self.recovering):
@@ -244,17 +254,15 @@ class Incarnation:
         if self.rank_run is not None:
             self.rank_run.kill()  # -> on_run_event: broken, the active cell lost
         else:
-            with self.lock:
-                self.status = "broken"
+            self.life.end("lost")
             self.ready.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """End the ranks: they leave their loop (atexit handlers run), then the tree is stopped."""
         with self.lock:
-            if self.status == "closed":
-                return
             was = self.status
-            self.status = "closed"
+            if not self.life.end("closed"):
+                return
         self.ready.set()
         self.listener.close()
         if self.world is not None:  # before the tree goes: node 0's agent hosts the store
@@ -359,10 +367,12 @@ class Incarnation:
             rundir.write_private(os.path.join(cell_dir, rundir.PAYLOAD_FILE), payload)
             payload = None
         with self.lock:
-            if self.status != ("busy" if internal else "idle"):
+            # nbdist's own cells run while the ranks are brought in step; a user's, when they are idle.
+            if self.life.state != ("recovering" if internal else "idle"):
                 raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
             cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal, stdin)
-            self.status = "busy"
+            if not internal:
+                self.life.move("busy")
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)
         if autoreload is not None and not internal and not self.remote.intersection(targets):

@@ -210,8 +210,7 @@ def bring_in_step(inc, cell) -> str | None:
                  f"(backend {inc.options.backend!r}) can't be re-formed in place, so the next collective "
                  f"could hang or give wrong results; the state is lost; {inc.restart_hint}")
         raise SessionLostError(inc.lost_reason)
-    inc.generation += 1
-    done = call_on_ranks(inc, reform_groups, inc.generation)
+    done = call_on_ranks(inc, reform_groups, inc.life.next_generation())
     ms = max(d["seconds"] for d in done.values()) * 1000
     inc.last_reform = done  # the parts' timings, for benchmarks and tests
     where = f" across the {inc.options.nnodes} nodes' kernels" if across else ""
@@ -223,20 +222,16 @@ def bring_in_step(inc, cell) -> str | None:
 def catch_up(inc) -> None:
     """Idle, this node re-forms the world's groups with the kernel that announced a stop."""
     with inc.lock:
-        if inc.status != "idle":
+        if not inc.life.move("recovering", only_from=("idle",)):
             return
-        inc.status = "busy"
         inc.in_step.clear()  # a cell sent now waits for the re-forming
     try:
-        inc.generation += 1
-        inc.last_reform = call_on_ranks(inc, reform_groups, inc.generation, timeout=CHECK_TIMEOUT_S)
+        inc.last_reform = call_on_ranks(inc, reform_groups, inc.life.next_generation(), timeout=CHECK_TIMEOUT_S)
     except SessionLostError:
         pass  # call_on_ranks stopped the session and said why
     except Exception as exc:
         inc.lose(f"the session was stopped: its ranks could not re-form the world's process group with the "
                  f"other nodes ({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint} on every node")
     finally:
-        with inc.lock:
-            if inc.status == "busy":
-                inc.status = "idle"
+        inc.life.move("idle", only_from=("recovering",))
         inc.in_step.set()
