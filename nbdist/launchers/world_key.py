@@ -27,6 +27,7 @@ import stat
 import sys
 import time
 
+from nbdist.protocol.rundir import write_private
 from nbdist.protocol.signing import WORLD_KEY_ENV, new_world_key, world_key_from_env
 
 __all__ = ["SHARED_DIR_ENV", "REQUIRE_ENV", "shared_dir", "agree_world_key", "write_private_record",
@@ -61,16 +62,7 @@ def shared_dir(env=os.environ) -> tuple[str | None, str]:
 def write_private_record(folder: str, name: str, record: dict) -> str:
     """Write ``record`` as JSON into ``folder/name`` (0600, whole or not at all); return the path."""
     path = os.path.join(folder, name)
-    tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_private(path, json.dumps(record).encode())
     return path
 
 

@@ -15,11 +15,12 @@ Standard library only.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 from dataclasses import dataclass
 
 __all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "STOP_COUNTS_FILE",
-           "STOP_POINT_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay", "shut_down",
+           "STOP_POINT_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay", "shut_down", "read_session_key",
            "load_value", "Autoreload"]
 
 
@@ -90,3 +91,9 @@ def shut_down(conn) -> None:
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.detach()  # the Connection still owns the descriptor
+
+
+def read_session_key(session_dir: str) -> bytes:
+    """The session's key (its run dir's 0600 file): the channel's HMAC, and what nbdist signs with."""
+    with open(os.path.join(session_dir, SESSION_KEY_FILE), "rb") as fh:
+        return fh.read()

@@ -28,16 +28,14 @@ _UNCHANGED = "; nothing was re-synced"
 
 
 def _session_key() -> bytes | None:
-    """The key of the session this rank serves (its run dir's 0600 key file), or None outside one."""
+    """The key of the session this rank serves, or None outside one."""
     import os
 
     from nbdist.protocol.rundir import RUN_DIR_ENV
-    from nbdist.protocol.session_channel import SESSION_KEY_FILE
+    from nbdist.protocol.session_channel import read_session_key
 
-    run_dir = (os.environ.get(RUN_DIR_ENV) or "").rstrip()
     try:
-        with open(os.path.join(run_dir, SESSION_KEY_FILE), "rb") as fh:
-            return fh.read() or None
+        return read_session_key((os.environ.get(RUN_DIR_ENV) or "").rstrip()) or None
     except OSError:
         return None
 

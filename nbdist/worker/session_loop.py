@@ -23,18 +23,13 @@ import sys
 import threading
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import SESSION_KEY_FILE
+from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared, load_shared
 from nbdist.worker.kernel_connect import connect_to_kernel
 from nbdist.worker.rank_signals import RunningCell, answer_signals, stop_asked as _stop_asked
 from nbdist.worker.rank_signals import torch_groups_in_use as _torch_groups_in_use
 
 __all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models", "sync_replicas"]
-
-
-def _read_key(session_dir: str) -> bytes:
-    with open(os.path.join(session_dir, SESSION_KEY_FILE), "rb") as fh:
-        return fh.read()
 
 
 def _stop_point_hit() -> bool:
@@ -167,7 +162,7 @@ def serve_session(session_dir: str, address) -> None:
     _KERNEL_HERE = rundir.read_spec(session_dir).kernel_host == socket.gethostname()
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
     # Within a deadline, hello included: a kernel that can't be reached ends this rank, saying why.
-    conn = connect_to_kernel(address, _read_key(session_dir), rank)
+    conn = connect_to_kernel(address, read_session_key(session_dir), rank)
     lock = threading.Lock()  # a cell's own threads may display while the loop reports
     running = RunningCell()  # the cell running now (its displays, and what a cut may touch)
 
