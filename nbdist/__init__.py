@@ -6,7 +6,7 @@ from code. Every run owns its whole process tree and leaves nothing running.
 The names below are imported on first use (PEP 562): ``import nbdist`` in a rank costs nothing of
 the kernel side (sessions, views, psutil, atexit hooks) that the rank doesn't use.
 
-Layout (see ``DESIGN.md``): :mod:`nbdist.frontend` (IPython, views, CLI), :mod:`nbdist.api`,
+Layout (see ``docs/contributing.md``): :mod:`nbdist.frontend` (IPython, views, CLI), :mod:`nbdist.api`,
 :mod:`nbdist.options`, :mod:`nbdist.session`, :mod:`nbdist.run`, :mod:`nbdist.launchers`,
 :mod:`nbdist.warmstart` on the kernel side; :mod:`nbdist.worker` on the rank side;
 :mod:`nbdist.protocol`, what both read and write.
@@ -32,6 +32,7 @@ __all__ = [
     "RunTimeoutError",
     "RunStoppedError",
     "SessionLostError",
+    "RankGoneError",
     "RankFailure",
     "LaunchConfigError",
     "load_ipython_extension",
@@ -47,7 +48,8 @@ _WHERE = {
     "warm": "nbdist.warmstart.handle", "WarmTemplate": "nbdist.warmstart.handle",
     "rank": "nbdist.protocol.world", "world_size": "nbdist.protocol.world", "is_main": "nbdist.protocol.world",
     "WorkerFailedError": "nbdist.errors", "RunTimeoutError": "nbdist.errors", "RunStoppedError": "nbdist.errors",
-    "SessionLostError": "nbdist.errors", "RankFailure": "nbdist.errors", "LaunchConfigError": "nbdist.errors",
+    "SessionLostError": "nbdist.errors", "RankGoneError": "nbdist.errors", "RankFailure": "nbdist.errors",
+    "LaunchConfigError": "nbdist.errors",
 }
 
 
@@ -72,6 +74,7 @@ def load_ipython_extension(ipython):
 
 
 def unload_ipython_extension(ipython):
+    """``%unload_ext nbdist``: ``%%distributed`` cells are no longer rewritten into awaiting cells."""
     from nbdist.frontend.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

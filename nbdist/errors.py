@@ -14,6 +14,7 @@ __all__ = [
     "RunTimeoutError",
     "RunStoppedError",
     "SessionLostError",
+    "RankGoneError",
     "describe_exitcode",
     "format_rank_set",
     "root_cause_rank",
@@ -309,3 +310,29 @@ class SessionLostError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         lines = self._compose().split("\n")
         return [f"\x1b[31mSessionLostError\x1b[0m: {lines[0]}", *lines[1:]]
+
+
+class RankGoneError(RuntimeError):
+    """A cell needs ranks of a session that died; the survivors keep their state.
+
+    Raised before anything runs. ``Session.heal()`` (``%dist_heal``) brings the ranks back from
+    their peers, ``Session.restart()`` (``%dist_restart``) starts over, and a cell on the survivors
+    only (``ranks=[...]``, ``--ranks``) still runs: to save what they hold, say.
+
+    Attributes
+    ----------
+    gone : dict[int, str]
+        Each dead rank and how it died.
+    survivors : list of int
+    """
+
+    def __init__(self, gone: dict[int, str], survivors, heal: str, restart: str, subset: str):
+        self.gone, self.survivors = dict(gone), list(survivors)
+        one = len(self.gone) == 1
+        who = "; ".join(f"rank {r} {how}" for r, how in sorted(self.gone.items()))
+        them = "it" if one else "them"
+        super().__init__(f"{who}: this cell needs {them}. {heal} brings {them} back from the peers; {restart}; "
+                         f"{subset} runs on the survivors, their state kept")
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mRankGoneError\x1b[0m: {self}"]

@@ -18,7 +18,7 @@ import rankfns
 from conftest import began, marked_pids, wait_began, wait_for
 
 import nbdist
-from nbdist.errors import RunStoppedError, SessionLostError, WorkerFailedError
+from nbdist.errors import RankGoneError, RunStoppedError, SessionLostError, WorkerFailedError
 
 pytestmark = pytest.mark.usefixtures("start_method")
 
@@ -411,17 +411,23 @@ def test_the_ranks_group_is_the_re_formable_one(session):
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "os._exit"])
-def test_a_dying_rank_breaks_the_session_and_takes_its_tree_down(session, how):
+def test_a_dying_rank_fails_its_cell_and_leaves_nothing_of_itself(session, how):
+    # A death degrades the session (tests/test_rank_death.py has the rest): the dead rank's tree is
+    # gone, its survivors are not; a cell that needs it is refused, naming it.
     old = session.session_id
     kill = "os.kill(os.getpid(), 9)" if how == "SIGKILL" else "os._exit(3)"
-    with pytest.raises(SessionLostError) as info:
+    victim = session.pids[1]
+    with pytest.raises(WorkerFailedError) as info:
         session.execute(f"import os, time\nif os.environ['RANK'] == '1':\n    {kill}\ntime.sleep(60)")
     text = str(info.value)
-    assert "rank 1" in text and ("SIGKILL" in text if how == "SIGKILL" else "code 3" in text), text
-    assert session.status == "broken"
-    wait_for(lambda: not marked_pids(old), 3, what="the rest of the session's tree to go")
-    with pytest.raises(SessionLostError, match="the session was lost.*restart"):
+    assert "rank 1 failed first" in text and ("SIGKILL" in text if how == "SIGKILL" else "code 3" in text), text
+    assert session.status == "degraded" and set(session.gone) == {1}
+    assert victim not in marked_pids(old) and session.pids[0] in marked_pids(old)
+    with pytest.raises(RankGoneError, match="rank 1 .*heal.*restart"):
         session.run(lambda: 1)
+    assert session.run(lambda: 1, ranks=[0]) == {0: 1}
+    session.close()
+    wait_for(lambda: not marked_pids(old), 3, what="the rest of the session's tree to go")
 
 
 def test_idle_ranks_use_no_cpu_and_the_channel_is_private(session):

@@ -20,7 +20,7 @@ import rankfns
 from conftest import KEPT_TEMPLATES, find_marked_leftovers, wait_for
 
 import nbdist
-from nbdist.errors import RunStoppedError, RunTimeoutError, SessionLostError, WorkerFailedError
+from nbdist.errors import RankGoneError, RunStoppedError, RunTimeoutError, WorkerFailedError
 
 __all__ = ["SessionWalk", "RunWalk"]
 
@@ -225,13 +225,13 @@ class SessionWalk:
     def kill_a_rank_from_outside(self) -> None:
         victim = self.session.pids[self.rng.choice(self.ranks)]
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: self.session.status == "broken", 15, what="the session to notice the dead rank")
+        wait_for(lambda: self.session.status == "degraded", 15, what="the session to notice the dead rank")
         try:
             self.session.execute("1")
-        except SessionLostError as exc:
-            assert "SIGKILL" in str(exc) and "restart()" in str(exc), str(exc)
+        except RankGoneError as exc:
+            assert "SIGKILL" in str(exc) and "restart()" in str(exc) and "heal()" in str(exc), str(exc)
         else:
-            raise AssertionError("a lost session took a cell")
+            raise AssertionError("a degraded session took a cell that needs the dead rank")
         self.restart()
 
     def die_in_a_cell(self) -> None:
@@ -240,9 +240,10 @@ class SessionWalk:
         try:
             self.session.execute(f"if rank == {bad}:\n    time.sleep({self.rng.uniform(0, 0.4)})\n    {how}\n"
                                  f"dist.barrier()", timeout=60)
-        except SessionLostError as exc:
+        except WorkerFailedError as exc:  # the survivors keep their state: the session is degraded
             text = str(exc)
             assert f"rank {bad} failed first" in text and text.count("failed first") == 1, text
+            assert self.session.status == "degraded", self.session.status
         else:
             raise AssertionError("a rank died and nobody said so")
         self.restart()

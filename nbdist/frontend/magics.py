@@ -330,9 +330,12 @@ class DistributedMagics(Magics):
     def dist_ps(self, line):
         """Show nbdist processes of any run (this kernel's, another's, a dead kernel's), each saying whose,
         with a button that stops this kernel's runs and the orphans (as ``%dist_kill``)."""
+        from nbdist.frontend.session_magics import describe_dead_ranks
+
         procs = ps(line.strip() or None)
+        dead = describe_dead_ranks()  # no process to list: the session's dead ranks are said below it
         if getattr(self.shell, "kernel", None) is None:
-            print(format_table(procs))
+            print(format_table(procs) + dead)
             return None
         import ipywidgets as w
 
@@ -356,7 +359,7 @@ class DistributedMagics(Magics):
         from IPython.display import display
 
         display(w.VBox([table, w.HBox([button, status])]))
-        print(format_table(procs))
+        print(format_table(procs) + dead)
         return None
 
     @line_magic

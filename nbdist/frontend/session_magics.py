@@ -191,6 +191,16 @@ def set_autoreload(shell, word: str) -> str:
     return f"nbdist: session cells {what} ({said})"
 
 
+def describe_dead_ranks() -> str:
+    """For ``%dist_ps``: the live session's ranks that died (no process is left to list), or ""."""
+    session = live_session()
+    if session is None or not session.gone:
+        return ""
+    lines = [f"session {session.session_id} is {session.status}: rank {r} {how}; gone, the survivors keep their "
+             f"state (%dist_heal brings it back)" for r, how in session.gone.items()]
+    return "\n" + "\n".join(lines)
+
+
 def _describe(session: Session) -> str:
     how = session.options.launcher if session.options.launcher != "auto" else "spawn"
     return f"{session.nprocs} ranks, {how}, {session.status}"

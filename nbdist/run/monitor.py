@@ -1,5 +1,6 @@
 """A run's monitor: one thread that follows the ranks' logs, reaps ranks as they exit, stops the rest
-when one fails (fail-fast), ends the run when all finished, and enforces its timeout."""
+when one fails (fail-fast; a session that keeps its survivors is told instead, through the rank's
+event), ends the run when all finished, and enforces its timeout."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _watch(run) -> None:
                 continue  # whoever is stopping the run finishes it
             track_pids(run)
             reap_exited(run)
-            if any(st.status == "failed" for st in run.ranks.values()):
+            if any(st.status == "failed" for st in run.ranks.values()) and not _survivors_kept(run):
                 # torchrun knows how its ranks ended (not the kernel's children): let it say.
                 run.launcher.wait_for_engine(ENGINE_REPORT_S)
                 ending.stop(run, "failed", ending.INTERRUPT_LADDER, timeout=min(run.stop_timeout, 2.0))
@@ -97,6 +98,12 @@ def _watch(run) -> None:
         ending.stop(run, "failed", ending.KILL_LADDER, timeout=2.0, reason="internal error in nbdist's monitor")
     finally:
         run.pace.close()
+
+
+def _survivors_kept(run) -> bool:
+    """A session keeps its survivors (it heard of the death through the rank's event): the run goes
+    on while one of them lives."""
+    return run.keep_survivors and any(st.status not in TERMINAL for st in run.ranks.values())
 
 
 def track_pids(run) -> None:

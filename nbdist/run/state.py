@@ -101,6 +101,9 @@ class Run(EventSource):
         self.engine_root: int | None = None  # the rank an engine (torchrun) named as the first failure
         self.unloadable: dict[int, str] = {}  # global rank -> why its value could not be loaded
         self.timed_out: dict[int, tuple] = {}  # global rank -> (its stack dump, whether it was in user code)
+        # A session's ranks that nbdist started itself: one that dies is the session's to handle (its
+        # survivors keep their state), not a reason to stop the rest. The run ends once none is left.
+        self.keep_survivors = False
 
     # ---- public state -------------------------------------------------------------------
     @property

@@ -40,7 +40,7 @@ def bring_up(inc, engine) -> None:
     finally:
         inc.launched.set()
     inc.rank_run.subscribe(inc.on_run_event)  # replayed: a run that ended already is seen too
-    if _accept_ranks(inc):
+    if _accept_ranks(inc, engine):
         inc.read_replies()
 
 
@@ -48,7 +48,7 @@ def _expected_ranks(inc) -> set[int]:
     return {inc.rank_run.global_rank(r) for r in inc.rank_run.ranks}
 
 
-def _accept_ranks(inc) -> bool:
+def _accept_ranks(inc, engine) -> bool:
     """Take each rank's authenticated hello until all are in or the start deadline passes; True
     when every rank is in and the incarnation is idle."""
     here = socket.gethostname()
@@ -66,6 +66,9 @@ def _accept_ranks(inc) -> bool:
         up = not missing and inc.life.move("idle", only_from=("starting",))
         if up:
             inc.ready_after = time.monotonic() - inc.started_at
+            # Ranks nbdist started itself, on this machine, outlive a peer's death (an engine ends
+            # them itself): from now on a death degrades the session instead of ending it.
+            inc.rank_run.keep_survivors = engine is None and inc.options.nnodes == 1
             if inc.options.nnodes > 1:  # only now: the world formed, the store there is this world's
                 inc.world = link_kernels(inc, inc.engine)
     if inc.status == "starting" and missing:

@@ -75,6 +75,7 @@ class CellHandle(EventSource):
         self.status = "running"
         self.results: dict[int, object] = {}
         self.failures: dict[int, RankFailure] = {}
+        self.deaths: set[int] = set()  # ranks that died during the cell (their failure says how)
         self.interrupted: set[int] = set()
         self.restored: dict[int, tuple] = {}  # rank -> torch modes it put back as the cell found them
         self.agreed = None  # the stop point the ranks agreed on (nbdist.session.agreed_stop), if any
@@ -244,6 +245,22 @@ class CellHandle(EventSource):
             elif kind == "failed":
                 self.failures[rank] = RankFailure.from_record(rank, pid, body)
             self._set_rank(rank, kind)
+            if self.busy_ranks():
+                return False
+            self.answered.set()
+            return True
+
+    def record_death(self, failure: RankFailure) -> bool | None:
+        """A rank died before it answered: its part failed as ``failure`` says. None when it had
+        answered already (the cell goes on without it); else True when it was the last one."""
+        with self._lock:
+            if self.done or failure.rank not in self.busy_ranks():
+                return None
+            self.failures[failure.rank] = failure
+            self.deaths.add(failure.rank)
+            st = self.ranks[failure.rank]
+            st.exitcode, st.signal_name = failure.exitcode, failure.signal_name
+            self._set_rank(failure.rank, "failed")
             if self.busy_ranks():
                 return False
             self.answered.set()

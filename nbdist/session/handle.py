@@ -52,7 +52,10 @@ class Session(CellLevel):
     Attributes
     ----------
     status : str
-        "starting", "idle", "busy", "broken" or "closed".
+        "starting", "idle", "busy", "degraded" (a rank died; the survivors kept their state),
+        "healing", "broken" or "closed".
+    gone : dict
+        rank -> how it died, for each rank of a degraded session.
     session_id, run_dir : str
         The marker of every process of the current ranks, and their record (logs, cells).
     restart_hint : str
@@ -122,7 +125,8 @@ class Session(CellLevel):
         self._hint = self._current.restart_hint = text
 
     # ---- the current incarnation's state -------------------------------------------------------
-    status = property(lambda self: self._current.status, doc="starting, idle, busy, broken or closed")
+    status = property(lambda self: self._current.status,
+                      doc="starting, idle, busy, degraded, healing, broken or closed")
     lost_reason = property(lambda self: self._current.lost_reason, doc="why the ranks were lost, if they were")
     session_id = property(lambda self: self._current.session_id, doc="the marker of the current ranks")
     run_dir = property(lambda self: self._current.run_dir, doc="the current ranks' record: logs, cells")
@@ -134,8 +138,13 @@ class Session(CellLevel):
     rank_run = property(lambda self: self._current.rank_run, doc="the ranks' run (nbdist.run.state.Run)")
 
     @property
+    def gone(self) -> dict[int, str]:
+        """rank -> how it died, for the ranks a degraded session lacks until the heal."""
+        return {r: g.how() for r, g in sorted(self._current.gone.items())}
+
+    @property
     def pids(self) -> dict[int, int]:
-        """rank -> pid of each rank that said hello."""
+        """rank -> pid of each rank that said hello (and lives)."""
         return dict(sorted(self._current.pids.items()))
 
     def local_pids(self, ranks) -> list[int]:
@@ -176,7 +185,8 @@ class Session(CellLevel):
         return False
 
     def __repr__(self) -> str:
-        return f"<nbdist.Session {self.session_id} {self.status} nprocs={self.nprocs}>"
+        gone = "".join(f"; rank {r} {how}" for r, how in self.gone.items())
+        return f"<nbdist.Session {self.session_id} {self.status} nprocs={self.nprocs}{gone}>"
 
 
 def _close_live_sessions() -> None:

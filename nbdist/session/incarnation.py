@@ -19,8 +19,10 @@ Two levels, and every step knows which it is in:
   collective is released, and every rank's process groups are then re-formed in place
   (:mod:`nbdist.worker.reformable_groups`, :mod:`nbdist.session.recovery`) before the cell says
   it is done.
-* *incarnation* level: a rank that died, or can't be brought back from C code within a few
-  seconds, ends the incarnation and its whole tree; its state is lost and the next cell says so.
+* *incarnation* level: a rank that can't be brought back from C code within a few seconds ends the
+  incarnation and its whole tree; its state is lost and the next cell says so. A rank that *dies*
+  does so too under an engine (torchrun, mpirun, srun end the survivors themselves); ranks nbdist
+  started itself keep their state, and the incarnation is degraded (:mod:`nbdist.session.rank_deaths`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from nbdist.session.bring_up import bring_up
 from nbdist.session.lifecycle import Life
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
+from nbdist.session.rank_deaths import describe_gone, note_rank_death, refuse_for_gone
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.watched_files import WatchedFiles
 from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
@@ -98,6 +101,8 @@ class Incarnation:
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
         self.sources_held: set[str] = set()  # notebook cell sources every rank got with an earlier cell
         self.last_failed_rank: int | None = None  # the root cause of the last failed cell (%dist_debug)
+        self.gone: dict = {}  # rank -> RankGone: ranks that died, the survivors kept (nbdist.session.rank_deaths)
+        self.gone_told: set[int] = set()  # of those, the ones the survivors' groups know they lack
         self._cells = 0
         self.ready = threading.Event()
         self.started_at, self.ready_after = time.monotonic(), None
@@ -126,7 +131,14 @@ class Incarnation:
                          daemon=True).start()
 
     def __repr__(self) -> str:
-        return f"<nbdist session incarnation {self.number} {self.session_id} {self.status}>"
+        gone = f" ({describe_gone(self.gone)})" if self.gone else ""
+        return f"<nbdist session incarnation {self.number} {self.session_id} {self.status}{gone}>"
+
+    @property
+    def heal_hint(self) -> str:
+        """What brings dead ranks back, in the words of the front end that made the session."""
+        return ("%dist_heal brings dead ranks back from their peers" if self.restart_hint.startswith("%") else
+                "Session.heal() brings dead ranks back from their peers")
 
     @property
     def status(self) -> str:
@@ -186,20 +198,22 @@ class Incarnation:
         last = cell.record_done(rank, kind, body, offsets, self.pids.get(rank))
         release_if_asked(self, cell, rank)
         if last:
-            self._settle(cell)
+            self.settle(cell)
         elif (kind == "failed" or (kind == "interrupted" and not cell.stop_requested)) and not cell.internal:
             # Its peers may wait for it in a collective (it raised, or raised KeyboardInterrupt by
             # itself): release them as the stop button would.
             threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
                              daemon=True).start()
 
-    def _settle(self, cell: CellHandle) -> None:
+    def settle(self, cell: CellHandle) -> None:
+        """Every rank of ``cell`` answered (or died): end it, bringing the ranks in step first if needed."""
         # The cell's output is in the logs before the cell says it is done (each rank said how far).
         self.rank_run.pump_output(unless_read_to={r: ends for r, (_, ends) in cell.offsets.items()})
         if cell.internal:
             cell.finish()
             return
-        if cell.failures or cell.interrupted or self.reform_due == self.generation:
+        untold = set(self.gone) - self.gone_told  # a rank died meanwhile: the survivors' groups must know
+        if cell.failures or cell.interrupted or untold or self.reform_due == self.generation:
             with self.lock:
                 if not self.life.move("recovering", only_from=("busy",)):
                     return  # lost or closed meanwhile: whoever ended it ended the cell too
@@ -212,7 +226,7 @@ class Incarnation:
     def become_idle(self, cell: CellHandle) -> None:
         """The cell is over and the ranks are in step: idle, then the cell says it is done."""
         with self.lock:  # idle before the cell says it is done: the caller's next cell must find it so
-            self.life.move("idle", only_from=("busy", "recovering"))
+            self.life.move("degraded" if self.gone else "idle", only_from=("busy", "recovering"))
             self.recovering = None
         cell.finish()
 
@@ -225,8 +239,11 @@ class Incarnation:
             return
         if not isinstance(event, RunEvent) or event.status not in TERMINAL:
             return
-        if event.rank is not None:  # a rank ended: the run stops the tree next
-            tell_world_gone(self, f"was lost (rank {event.rank} ended)")
+        if event.rank is not None:
+            if self.rank_run.keep_survivors:  # a rank of ours died: the survivors keep their state
+                note_rank_death(self, event.rank, event.detail)
+            else:  # the run stops the tree next
+                tell_world_gone(self, f"was lost (rank {event.rank} ended)")
             return
         error = self.rank_run.error
         with self.lock:
@@ -234,6 +251,8 @@ class Incarnation:
                 return
             if self.lost_reason is None:
                 why = error.summary() if hasattr(error, "summary") else f"its ranks ended ({event.status})"
+                if self.gone and not self.pids:  # the survivors of earlier deaths died too
+                    why = f"every rank died: {describe_gone(self.gone)}"
                 self.lost_reason = f"the session was lost: {why}; its state is gone; {self.restart_hint}"
             self.life.end("lost")
         self.ready.set()
@@ -325,15 +344,21 @@ class Incarnation:
         if self.status == "starting":
             raise SessionLostError(f"the session's ranks did not come up within {self.start_timeout:g} s")
         self.in_step.wait(CHECK_TIMEOUT_S + 10)  # and one sent while it re-forms with other nodes
-        targets = sorted(self.conns) if ranks is None else sorted(set(ranks))
-        unknown = [r for r in targets if r not in self.conns]
-        if unknown or not targets:
-            raise LaunchConfigError(f"ranks must be a subset of {format_rank_set(self.conns)}, got {ranks!r}")
+        targets = self._targets(ranks)
         if self.status == "busy":
             raise RuntimeError(f"cell {self.active.cell_id} is still running in this session; "
                                "wait for it or interrupt it")
         if self.ended:
             self.wait_ready(0)  # says why
+        return targets
+
+    def _targets(self, ranks) -> list[int]:
+        """The ranks a cell for ``ranks`` runs on; a dead one is refused in one line (RankGoneError)."""
+        targets = sorted(set(self.conns) | set(self.gone)) if ranks is None else sorted(set(ranks))
+        refuse_for_gone(self, targets)
+        unknown = [r for r in targets if r not in self.conns]
+        if unknown or not targets:
+            raise LaunchConfigError(f"ranks must be a subset of {format_rank_set(self.conns)}, got {ranks!r}")
         return targets
 
     def note_sources_sent(self, targets, sent) -> None:
@@ -368,7 +393,7 @@ class Incarnation:
             payload = None
         with self.lock:
             # nbdist's own cells run while the ranks are brought in step; a user's, when they are idle.
-            if self.life.state != ("recovering" if internal else "idle"):
+            if self.life.state not in (("recovering",) if internal else ("idle", "degraded")):
                 raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
             cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal, stdin)
             if not internal:

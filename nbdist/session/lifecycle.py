@@ -13,8 +13,9 @@ States::
     idle        every rank waits for a cell
     busy        a cell runs
     recovering  the ranks are being brought in step after a cell that failed or was stopped
-                (or, idle, with another node's kernel that stopped its part)
-    degraded    a rank died; the survivors keep their state (issue 28: the heal)
+                (or, idle, with another node's kernel that stopped its part; or the survivors of a
+                death are told which members their groups lack)
+    degraded    a rank died; the survivors keep their state and take cells on themselves only
     healing     a replacement rank is being made from its peers
     lost        the ranks can't go on; final, but for closing
     closed      ended by the user; final
@@ -35,7 +36,7 @@ MOVES: dict[str, frozenset[str]] = {
     "idle": frozenset({"busy", "recovering", "degraded", "lost", "closed"}),
     "busy": frozenset({"idle", "recovering", "degraded", "lost", "closed"}),
     "recovering": frozenset({"idle", "degraded", "lost", "closed"}),
-    "degraded": frozenset({"busy", "healing", "lost", "closed"}),
+    "degraded": frozenset({"busy", "recovering", "healing", "lost", "closed"}),
     "healing": frozenset({"idle", "degraded", "lost", "closed"}),
     "lost": frozenset({"closed"}),
     "closed": frozenset(),

@@ -34,6 +34,7 @@ __all__ = ["stop_cell", "interrupt_ranks", "release_if_asked", "recover", "call_
 RELEASE_AFTER_S = 0.5
 # After a peer raised, its peers are released sooner: the error must show within about 2 s.
 RELEASE_AFTER_PEER_FAILED_S = 0.3
+MAX_DEATHS_WHILE_RECOVERING = 4  # each one starts the recovery over on the survivors; then it gives up
 STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck for good (C code)
 CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for every rank to connect
 
@@ -50,7 +51,8 @@ def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
         return
     cell.stop_requested = True
     announce_stop(inc, cell)  # a session across kernels: the other nodes stop their part too
-    cell.agreed = agree_stop_point(inc, cell)  # every rank stops before the same collective...
+    # Every rank stops before the same collective... unless one died: nothing can complete then.
+    cell.agreed = None if cell.deaths else agree_stop_point(inc, cell)
     if cell.agreed is not None and cell.answered.wait(cell.agreed.window):
         return
     busy = cell.busy_ranks()  # ...but the deadline wins: these are stopped where they are
@@ -117,18 +119,27 @@ def release_if_asked(inc, cell, rank: int) -> None:
 def recover(inc, cell) -> None:
     """After a failed or interrupted cell (on a thread of its own: bringing the ranks in step needs
     the reply reader): check every group, re-form in place if needed, then end the cell."""
-    try:
-        cell.note = bring_in_step(inc, cell)
-    except SessionLostError as exc:
-        cell.lose(exc)
-        return
-    except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
-        if inc.ended:  # it ended under us (a rank died, or it was closed): that says why
-            cell.lose(SessionLostError(inc.lost_reason or "the session was closed", inc.rank_run.error))
+    for _ in range(1 + MAX_DEATHS_WHILE_RECOVERING):
+        try:
+            cell.note = bring_in_step(inc, cell)
+            break
+        except SessionLostError as exc:
+            cell.lose(exc)
             return
-        kind = "failed" if cell.failures else "interrupted"
-        inc.lose(f"the session was stopped: its ranks could not be brought back in step after the {kind} "
-                 f"cell ({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
+        except Exception as exc:  # the ranks couldn't be checked: nothing may run on them now
+            if inc.ended:  # it ended under us (a rank died, or it was closed): that says why
+                cell.lose(SessionLostError(inc.lost_reason or "the session was closed", inc.rank_run.error))
+                return
+            if set(inc.gone) - inc.gone_told:
+                continue  # a rank died while they were brought in step: again, on the survivors
+            kind = "failed" if cell.failures else "interrupted"
+            inc.lose(f"the session was stopped: its ranks could not be brought back in step after the {kind} "
+                     f"cell ({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
+            cell.lose(SessionLostError(inc.lost_reason))
+            return
+    else:
+        inc.lose(f"the session was stopped: ranks kept dying while the survivors were brought in step; "
+                 f"the state is lost; {inc.restart_hint}")
         cell.lose(SessionLostError(inc.lost_reason))
         return
     inc.become_idle(cell)
@@ -181,6 +192,10 @@ def bring_in_step(inc, cell) -> str | None:
     Returns the note for the cell's output (None when nothing had to be done). Raises
     SessionLostError when the groups are out of step and can't be re-formed.
     """
+    if inc.gone:  # the survivors of a death: their groups lack the dead ranks until the heal
+        from nbdist.session.rank_deaths import degrade_survivors
+
+        return degrade_survivors(inc)
     across = inc.world is not None
     if across:  # every abnormal cell re-forms the world's groups, on every kernel (nbdist.session.peers)
         announce_stop(inc, cell)

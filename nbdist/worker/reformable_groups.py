@@ -34,7 +34,7 @@ from nbdist.worker.model_reset import reset_models, track_ddp_models
 from nbdist.worker.optimizer_steps import track_optimizer_steps
 
 __all__ = ["BACKEND_NAME", "ReformableGroup", "register", "release_groups", "cut_groups", "reform_groups",
-           "count_collectives", "live_groups", "peek_groups"]
+           "count_collectives", "live_groups", "peek_groups", "degrade_groups"]
 
 BACKEND_NAME = "nbdist"
 
@@ -66,10 +66,13 @@ class ReformableGroup(dist.ProcessGroup):
         Device type -> torch backend, e.g. ``{"cpu": "gloo", "cuda": "nccl"}``.
     """
 
-    def __init__(self, store, rank: int, size: int, timeout, devices: dict, name: str = "", desc: str = ""):
+    def __init__(self, store, rank: int, size: int, timeout, devices: dict, name: str = "", desc: str = "",
+                 members=()):
         super().__init__(rank, size)
         self._store, self._timeout, self._devices = store, timeout, dict(devices)
         self._name, self._desc = name, desc
+        self.members = tuple(members) or tuple(range(size))  # global ranks (torch gives none for the world's)
+        self.missing: dict[int, str] = {}  # global rank -> how it died: the group lacks it until the heal
         self.generation, self.issued, self.group_wide = 0, 0, 0
         # What messages call it: torch names groups by number; the first one made is the world's.
         self.label = "the default group" if not live_groups() else f"group {name or len(_GROUPS)}"
@@ -144,9 +147,18 @@ class ReformableGroup(dist.ProcessGroup):
         """Connect again under ``generation`` (every member must call this with the same number)."""
         self.release()
         self.generation, self.issued, self.group_wide = generation, 0, 0
+        self.missing = {}
         self._inner = self._connect()
 
+    def lack(self, gone: dict[int, str]) -> None:
+        """Members of ``gone`` died: drop the connections, and fail every collective at once, naming
+        them, until the heal re-forms the group with their replacements."""
+        self.release()
+        self.missing = dict(gone)
+
     def _target(self):
+        if self.missing:
+            raise RuntimeError(_lacking(self.label, self.missing))
         if self._inner is None:
             raise RuntimeError("nbdist: this process group is being re-formed after an interrupted cell; "
                                "run the cell again")
@@ -210,7 +222,7 @@ for _name in _PASSED:
 def _create(options, _backend_options):
     """torch's custom-backend hook: a group's ReformableGroup (torch returns it as the group itself)."""
     return ReformableGroup(options.store, options.group_rank, options.group_size, options.timeout, _DEVICES,
-                           name=options.group_id)
+                           name=options.group_id, members=options.global_ranks_in_group)
 
 
 _DEVICES: dict = {}
@@ -300,6 +312,33 @@ def reform_groups(generation: int) -> dict:
     models = reset_models()
     return {"groups": len(groups), "seconds": time.monotonic() - start, **models,
             "release_s": released - start, "connect_s": connected - released, "reset_s": time.monotonic() - connected}
+
+
+def degrade_groups(gone: dict[int, str], generation: int) -> dict:
+    """On every survivor after ranks died (``gone``: global rank -> how): each group that held one of
+    them lacks it until the heal (its collectives fail at once, naming it); each other group is
+    re-formed under ``generation`` among its members, all survivors, so that one left mid-collective
+    by the stop that freed them is in step again. Returns ``{"lacking": n, "reformed": n}``."""
+    lacking = reformed = 0
+    for group in live_groups():
+        dead = {r: why for r, why in gone.items() if r in group.members}
+        if dead:
+            group.lack(dead)
+            lacking += 1
+        else:
+            group.reform(generation)
+            reformed += 1
+    return {"lacking": lacking, "reformed": reformed}
+
+
+def _lacking(label: str, missing: dict[int, str]) -> str:
+    """The one line a collective on a group that lacks a member fails with."""
+    one = len(missing) == 1
+    who = "; ".join(f"rank {r} {why}" for r, why in sorted(missing.items()))
+    ranks = ("rank " if one else "ranks ") + ", ".join(map(str, sorted(missing)))
+    them = "it" if one else "them"
+    return (f"nbdist: {label} lacks {ranks} ({who}): a collective can't complete without {them}. "
+            f"%dist_heal (Session.heal()) brings {them} back from the peers; %dist_restart starts over")
 
 
 def count_collectives():

@@ -29,7 +29,8 @@ from nbdist.worker.kernel_connect import connect_to_kernel
 from nbdist.worker.rank_signals import RunningCell, answer_signals, stop_asked as _stop_asked
 from nbdist.worker.rank_signals import torch_groups_in_use as _torch_groups_in_use
 
-__all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models", "sync_replicas"]
+__all__ = ["serve_session", "set_names", "set_shared_names", "set_shared_piece", "get_name", "count_collectives", "reform_groups", "reset_models", "sync_replicas",
+           "degrade_groups"]
 
 
 def _stop_point_hit() -> bool:
@@ -325,6 +326,16 @@ def reform_groups(generation: int) -> dict:
     from nbdist.worker import reformable_groups
 
     return reformable_groups.reform_groups(generation)
+
+
+def degrade_groups(gone: dict, generation: int) -> dict | None:
+    """Run on the survivors of a death: their groups lack the dead ranks until the heal
+    (:func:`nbdist.worker.reformable_groups.degrade_groups`); None without a process group."""
+    if not _torch_groups_in_use():
+        return None
+    from nbdist.worker import reformable_groups
+
+    return reformable_groups.degrade_groups(gone, generation)
 
 
 def get_name(name: str):

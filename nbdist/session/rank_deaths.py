@@ -1,0 +1,151 @@
+"""A rank of a session died: the survivors keep their state, and the session is degraded until the heal.
+
+For ranks that nbdist starts itself (spawn, and forks of the warm template) the session run keeps
+its survivors (:attr:`nbdist.run.state.Run.keep_survivors`): the run's monitor reaps the dead rank
+(and clears its process group) and tells the incarnation through the rank's event, instead of
+stopping the tree. What happens then depends on what the incarnation was doing:
+
+* idle (or degraded already): the survivors' groups are told which members they lack
+  (:func:`nbdist.worker.reformable_groups.degrade_groups`), on the survivors only;
+* busy: the dead rank's part of the cell fails with how it died, the survivors are freed from
+  whatever collective they wait in (as a raising rank's peers are), and the cell's recovery then
+  degrades the groups instead of re-forming them;
+* bringing its ranks in step: the internal call fails, and the recovery starts over on the survivors.
+
+Then the session is "degraded": a cell that needs a dead rank is refused in one line
+(:class:`nbdist.errors.RankGoneError`), a cell on the survivors runs, and a collective on a group
+that lacks a member fails at once naming it. A session whose every rank died is lost, as before:
+the run ends, and :meth:`Incarnation.on_run_event` says so.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from nbdist.errors import RankFailure, RankGoneError, format_rank_set
+from nbdist.session.recovery import RELEASE_AFTER_PEER_FAILED_S, call_on_ranks
+
+__all__ = ["RankGone", "note_rank_death", "degrade_survivors", "refuse_for_gone", "describe_gone",
+           "LAST_LINES"]
+
+LAST_LINES = 3  # of the dead rank's log, in the cell's error and in the session's repr
+
+
+@dataclass(frozen=True)
+class RankGone:
+    """One dead rank of a session: how it died, and the last lines it wrote."""
+
+    rank: int
+    pid: int | None
+    exitcode: int | None
+    signal_name: str | None
+    at: float  # time.time() it was seen gone
+    last_lines: tuple[str, ...] = ()
+
+    def how(self) -> str:
+        """``"was killed by SIGKILL (pid 123)"``, ``"exited with code 3 (pid 123)"``."""
+        if self.signal_name:
+            what = f"was killed by {self.signal_name}"
+        else:
+            what = f"exited with code {self.exitcode}"
+        return f"{what} (pid {self.pid})"
+
+    def as_failure(self) -> RankFailure:
+        """Its part of the cell that saw it die (the root cause: never a secondary failure)."""
+        said = "; its last lines: " + " | ".join(self.last_lines) if self.last_lines else ""
+        return RankFailure(rank=self.rank, pid=self.pid, exitcode=self.exitcode, signal_name=self.signal_name,
+                           message=f"died during the cell{said}", time=self.at)
+
+
+def describe_gone(gone: dict[int, RankGone]) -> str:
+    """``"rank 2 was killed by SIGKILL (pid 123)"``, one clause per dead rank."""
+    return "; ".join(f"rank {r} {g.how()}" for r, g in sorted(gone.items()))
+
+
+def _last_lines(run, grank: int) -> tuple[str, ...]:
+    run.pump_output()  # what it wrote as it died
+    for local, out in run.outputs.items():
+        if run.global_rank(local) == grank:
+            return tuple(line.rstrip() for _, line in list(out.lines)[-LAST_LINES:])
+    return ()
+
+
+def note_rank_death(inc, rank: int, status) -> None:
+    """The run's monitor saw rank ``rank`` die (``status``: its RankStatus). Keep the survivors: on a
+    thread of its own, as degrading the groups runs an internal cell on them, whose replies the
+    reader thread must read."""
+    with inc.lock:
+        if inc.ended or rank in inc.gone or rank not in inc.pids:
+            return
+        gone = RankGone(rank, status.pid or inc.pids.get(rank), status.exitcode, status.signal_name, time.time(),
+                        _last_lines(inc.rank_run, rank))
+        inc.gone[rank] = gone
+        inc.pids.pop(rank)  # never signalled again: its pid may be another process's soon
+        inc.conns.pop(rank, None)  # never written to again
+        if not inc.pids:
+            return  # every rank died: the run ends by itself, and the session is lost (on_run_event)
+        cell = inc.active
+        state = inc.life.state
+    if state in ("busy", "recovering") and cell is not None:
+        recorded = cell.record_death(gone.as_failure())
+        if recorded:
+            inc.settle(cell)  # the dead rank was the last to answer (an internal call: it fails, and
+            # the recovery starts over on the survivors)
+        elif recorded is False and not cell.internal:
+            # Its peers may wait for it in a collective: free them, as for a rank that raised.
+            threading.Thread(target=inc.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
+                             daemon=True).start()
+        return  # a cell without it goes on; its end degrades the groups (Incarnation.settle)
+    if state in ("idle", "degraded"):
+        threading.Thread(target=degrade_when_idle, args=(inc,), name="nbdist-rank-death", daemon=True).start()
+
+
+def degrade_when_idle(inc) -> None:
+    """An idle session lost a rank: its survivors' groups learn which members they lack."""
+    from nbdist.errors import SessionLostError
+
+    with inc.lock:
+        if not inc.life.move("recovering", only_from=("idle", "degraded")):
+            return  # busy meanwhile (the cell's end degrades), or ended
+    try:
+        degrade_survivors(inc)
+    except SessionLostError:
+        return  # the session was stopped, saying why
+    except Exception as exc:
+        inc.lose(f"the session was stopped: after {describe_gone(inc.gone)}, its survivors could not be told "
+                 f"({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
+        return
+    inc.life.move("degraded", only_from=("recovering",))
+
+
+def degrade_survivors(inc) -> str:
+    """On every survivor: the groups that held a dead rank lack it (their collectives fail at once,
+    naming it), the others are re-formed among their members. Returns the cell's note."""
+    from nbdist.worker.session_loop import degrade_groups
+
+    gone = dict(inc.gone)
+    told = {r: g.how() for r, g in gone.items()}
+    answers = call_on_ranks(inc, degrade_groups, told, inc.life.next_generation())
+    inc.gone_told = set(gone)
+    survivors = format_rank_set(sorted(inc.pids))
+    lacking = any(a and a["lacking"] for a in answers.values())
+    them = "it" if len(gone) == 1 else "them"
+    groups = f"; their process groups lack {them} (a collective fails at once, naming {them})" if lacking else ""
+    keep = "keeps its" if len(inc.pids) == 1 else "keep their"
+    return f"{describe_gone(gone)}: {survivors} {keep} state{groups}; {inc.heal_hint}; {inc.restart_hint}"
+
+
+def refuse_for_gone(inc, targets) -> None:
+    """Raise :class:`RankGoneError` when ``targets`` holds a dead rank: one line, nothing runs."""
+    dead = {r: g for r, g in inc.gone.items() if r in targets}
+    if not dead:
+        return
+    magic = inc.heal_hint.startswith("%")
+    survivors = sorted(inc.pids)
+    raise RankGoneError({r: g.how() for r, g in dead.items()}, survivors,
+                        heal="%dist_heal" if magic else "Session.heal()",
+                        restart="%dist_restart starts over" if magic else "Session.restart() starts over",
+                        subset=(f"a cell with --ranks {','.join(map(str, survivors))}" if magic else
+                                f"a call with ranks={survivors}"))
