@@ -23,6 +23,8 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     fn : callable
         Runs on every rank. Lambdas, closures and functions or classes defined in the notebook
         work: they are cloudpickled by value into the run dir.
+    *args, **kwargs
+        Passed to ``fn`` on every rank (pickled once, before any process starts).
     nprocs : int, optional
         Number of ranks (of this node, for torchrun; of the step, for srun). Default: the number
         of GPUs (2 on a machine without one). In a kernel that already is a rank of a world
@@ -56,6 +58,9 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
         ready and "spawn" otherwise (never a wait for the template).
     run_dir : str, optional
         Folder under which the run dir is made (default ``$NBDIST_RUN_DIR`` or a private temp folder).
+    stop_timeout : float
+        Seconds a stop (an interrupt, a failing rank, leaving the ``with`` block) gives the ranks
+        from SIGINT through SIGTERM to SIGKILL: one deadline for the whole ladder.
     launcher_args : list of str, optional
         Extra arguments for the engine (``["--hostfile", "hosts"]`` for mpirun).
     nnodes, node_rank : int

@@ -4,7 +4,7 @@
 # For a machine with PyTorch built with CUDA and no network, and no IPython stack (the GPU machine
 # lent to this project: one H200, torch 2.11 as last seen, Python 3.12): nbdist runs from this
 # checkout (PYTHONPATH), needing only torch, cloudpickle, psutil and pytest there. Wheels of what
-# is missing can travel in .whl/ (see ../shared/recipes/README.md); they are installed first.
+# is missing can travel in .whl/ (see docs/contributing.md, "GPU checks"); they are installed first.
 # Everything it prints also goes to $OUT (the device tool's output folder) or .artifacts/gpu.
 # Finishes within 10 minutes.
 set -uo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make .venv with everything nbdist, its tests and its demos need. Safe to run again: it only
+# Make .venv with everything nbdist, its tests, its demos and its docs need. Safe to run again: it only
 # installs when pyproject.toml changed since the last run. Sourced by demo.sh and test.sh.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -28,6 +28,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # torch first and pinned: this takes the local CPU wheel. Letting a dependency pull a bare
     # "torch" would download a CUDA build of several GB.
     .venv/bin/python -m pip install -q "torch==2.13.0" numpy
-    .venv/bin/python -m pip install -q -e ".[test,browser]"
+    .venv/bin/python -m pip install -q -e ".[test,browser,docs]"
     echo "$want" > "$stamp"
 fi

@@ -1,7 +1,8 @@
 """Real engines' infrastructure for the tests, made and removed by them.
 
 - :class:`SlurmCluster`: munge + a single-node slurmctld and slurmd on 127.0.0.1 (Debian's
-  slurm-wlm), as in ``../shared/recipes``. Stopped by the pids it started, never by name.
+  slurm-wlm), as docs/contributing.md describes ("Engines on one machine"). Stopped by the pids it
+  started, never by name.
 - :class:`NetnsPair`: two network namespaces joined by a veth pair, each with its own address,
   so that two "nodes" on this machine really talk over a network.
 """

@@ -1,4 +1,4 @@
-"""The package's layout holds: the import rules of DESIGN.md are kept (import-linter, as CI runs it),
+"""The package's layout holds: the import rules of docs/contributing.md are kept (import-linter, as CI runs it),
 and a rank, however it was started, has loaded nothing of the kernel side when its payload runs."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The launcher contract: how a run's ranks start, and what the run asks of them afterwards.
 
-Launchers differ only in how ranks start (DESIGN.md): spawned or forked by the kernel
+Launchers differ only in how ranks start (docs/contributing.md): spawned or forked by the kernel
 (:mod:`.spawn`), or started by an engine (:mod:`.engine`: torchrun, mpirun, srun). Everything after
 the start is the run's own (:mod:`nbdist.run.monitor`, :mod:`nbdist.run.ending`), and this is all it
 asks. jupyter_client's kernel provisioners are the model: the abstract methods are what each
