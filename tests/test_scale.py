@@ -96,3 +96,33 @@ def test_a_session_whose_rank_never_connects_says_which_and_where_within_its_dea
     finally:
         s.close()
     print(f"a rank that never connects -> said in {took:.1f} s: {text}")
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_of_a_16_rank_session_is_healed(warm_template):
+    # Issue 28 under load: 16 ranks on 2 cores, a DDP model and Adam; rank 11 killed in a step.
+    with nbdist.Session(nprocs=16, start_method="warm") as s:
+        s.execute("import torch, torch.distributed as dist\ntorch.manual_seed(0)\n"
+                  "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(32, 4))\n"
+                  "opt = torch.optim.Adam(model.parameters())\n"
+                  "def step():\n    opt.zero_grad()\n    model(torch.randn(8, 32)).sum().backward()\n    opt.step()\n"
+                  "step()", timeout=120)
+        victim = s.pids[11]
+        cell = s.execute("while True:\n    step()", join=False)
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailedError, match="rank 11 failed first: killed by SIGKILL"):
+            cell.wait(60)
+        freed = time.monotonic() - t0
+        assert s.status == "degraded" and set(s.gone) == {11}
+        t1 = time.monotonic()
+        report = s.heal()
+        healed = time.monotonic() - t1
+        print(f"16 ranks: survivors freed and degraded {freed:.2f} s after the kill; healed in {healed:.2f} s "
+              f"({report.seconds})")
+        assert report.healed == [11] and "model" in report.copied and "opt" in report.copied
+        s.sync(0)  # a death mid-step may leave the survivors apart
+        s.execute("step()", timeout=120)
+        sums = s.execute("round(sum(p.double().sum().item() for p in model.parameters()), 10)", timeout=60)
+        assert len(set(sums.values())) == 1 and len(sums) == 16, sums

@@ -11,9 +11,11 @@ the same for one-shot runs with random faults.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import threading
 import time
 
 import rankfns
@@ -60,6 +62,13 @@ class WalkFailed(AssertionError):
     pass
 
 
+def _try(fn):
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - the walk looks at what came back
+        return exc
+
+
 class SessionWalk:
     """A live session and a model of what its ranks hold; ``run(steps)`` walks it."""
 
@@ -76,7 +85,7 @@ class SessionWalk:
             (6, self.set_state), (4, self.collective), (3, self.targeted), (2, self.push_and_pull),
             (2, self.raise_with_peers_waiting), (2, self.stop_python_loop), (2, self.stop_training),
             (1, self.time_out), (1, self.kill_a_rank_from_outside), (1, self.die_in_a_cell), (1, self.restart),
-            (1, self.restart_while_starting),
+            (1, self.restart_while_starting), (2, self.kill_and_heal), (1, self.kill_during_heal),
         ]
 
     # ---- walking ---------------------------------------------------------------------------
@@ -247,6 +256,82 @@ class SessionWalk:
         else:
             raise AssertionError("a rank died and nobody said so")
         self.restart()
+
+    def kill_and_heal(self) -> None:
+        """A random rank killed, idle or in a cell of collectives; the heal brings it back from a random donor."""
+        dead = self.rng.choice(self.ranks)
+        victim = self.session.pids[dead]
+        if self.rng.random() < 0.5:
+            cell = self.session.execute("while True:\n    dist.barrier()\n    time.sleep(0.005)", join=False)
+            time.sleep(self.rng.uniform(0.05, 0.6))
+            os.kill(victim, signal.SIGKILL)
+            try:
+                cell.wait(30)
+            except WorkerFailedError as exc:
+                assert f"rank {dead} failed first: killed by SIGKILL" in str(exc), str(exc)
+        else:
+            os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: self.session.status == "degraded", 20, what=f"the session to be degraded (rank {dead} killed)")
+        donor = self.rng.choice([r for r in self.ranks if r != dead])
+        report = self.session.heal(donor)
+        assert report.healed == [dead] and report.donor == donor, report
+        self._restore([dead])
+
+    def kill_during_heal(self) -> None:
+        """A rank killed, then another one (a survivor, the donor, or the new rank) while the heal runs:
+        the heal succeeds or fails, never hangs; healing again (at most twice more) brings every rank back."""
+        first = self.rng.choice(self.ranks)
+        os.kill(self.session.pids[first], signal.SIGKILL)
+        wait_for(lambda: self.session.status == "degraded", 20, what="the session to be degraded")
+        second = self.rng.choice(self.ranks)
+        outcome: dict = {}
+        thread = threading.Thread(target=lambda: outcome.update(report=_try(self.session.heal)), daemon=True)
+        thread.start()
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        pid = self.session.pids.get(second)
+        if pid is not None and self.session.status != "broken":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        thread.join(150)
+        assert not thread.is_alive(), "the heal hung after a rank died under it"
+        if pid is not None:  # its death is noticed within a tick of the monitor: wait for it to be said
+            wait_for(lambda: pid not in self.session.pids.values() or self.session.status == "broken", 15,
+                     what=f"rank {second}'s death to be noticed")
+        healed = {first}
+        for _ in range(3):
+            # A death is in Session.gone at once; the survivors are told (degraded) within a moment.
+            wait_for(lambda: self.session.status in ("degraded", "broken") or (self.session.status == "idle" and
+                                                                                not self.session.gone),
+                     30, what=f"the heal's outcome to settle (killed {first}, then {second}: {self.session!r}, "
+                              f"{self.session._current.life.moves[-6:]}, {outcome})")
+            if self.session.status == "broken":  # the two were every rank there was
+                self.restart()
+                return
+            if self.session.status == "idle":
+                break
+            healed |= set(self.session.gone)
+            self.session.heal()
+        else:
+            raise AssertionError(f"three heals did not bring the session back: {self.session.status}")
+        if isinstance(outcome.get("report"), BaseException):
+            self.trail.append(f"   (the heal under fire failed: {str(outcome['report'])[:200]})")
+        self._restore(sorted(healed))
+
+    def _restore(self, healed: list[int]) -> None:
+        """What the heal rightly did not copy (rank-specific), set on the healed ranks as the cells had."""
+        s = self.session
+        for r in healed:
+            s.execute("rank = dist.get_rank()\nspins = 0", ranks=[r], timeout=30)
+            s.push(ranks=[r], state={k: v[r] for k, v in self.expected.items() if r in v})
+            if "ddp" in self.models:
+                s.execute("ddp_x = torch.randn(32, 8, generator=torch.Generator().manual_seed(rank))", ranks=[r],
+                          timeout=30)
+        if "fsdp" in self.models:  # its shards are rank-specific: the walk builds it again when it next needs it
+            s.execute("for _n in ('fsdp', 'fsdp_opt', 'fsdp_x', 'fsdp_step'):\n    globals().pop(_n, None)", timeout=30)
+            self.models.discard("fsdp")
+        if "ddp" in self.models:  # a death mid-step may leave the survivors apart: the message says so
+            s.sync(self.rng.choice(self.ranks))
+            self._replicas("ddp")
 
     def restart(self) -> None:
         self.session.restart()

@@ -223,6 +223,8 @@ class DistributedMagics(Magics):
               help="seconds the ranks may take to come up (default 120, or 4 per rank); then it says which did not")
     @argument("--check-collectives", action="store_true",
               help="every cell: the ranks compare each collective (op, shapes, dtypes) before they issue it")
+    @argument("--heal", choices=("auto", "off"), default="off",
+              help="auto: a rank that dies is brought back from its peers at once (else %%dist_heal does it)")
     @line_magic
     def dist_start(self, line):
         """Start the notebook's session: ranks that live across cells; ``%%distributed`` cells then run in it.
@@ -240,7 +242,7 @@ class DistributedMagics(Magics):
 
         args = parse_argstring(self.dist_start, line)
         start_session(self.shell, world_options(args), start_timeout=args.start_timeout,
-                      check_collectives=args.check_collectives)
+                      check_collectives=args.check_collectives, heal=args.heal)
 
     @line_magic
     def dist_stop(self, line):
@@ -297,6 +299,29 @@ class DistributedMagics(Magics):
         from nbdist.frontend.session_magics import sync_replicas
 
         print(sync_replicas(parse_argstring(self.dist_sync, line).src))
+
+    @magic_arguments()
+    @argument("--from", dest="donor", type=int, default=None,
+              help="the survivor whose names the new ranks take (default: the lowest)")
+    @line_magic
+    def dist_heal(self, line):
+        """``%dist_heal [--from R]``: bring a degraded session's dead ranks back from their peers.
+
+        Each dead rank starts again (the same rank number, device and environment), joins every
+        process group in place (the survivors' groups, DDP models and meshes keep their objects), and
+        takes every name that all survivors hold alike from rank R: functions, classes, tensors,
+        models, optimizers. Rank-specific names and names that can't be pickled are listed, not copied.
+
+        Examples
+        --------
+        ::
+
+            %dist_heal
+            %dist_heal --from 3
+        """
+        from nbdist.frontend.session_magics import heal_session
+
+        print(heal_session(parse_argstring(self.dist_heal, line).donor))
 
     @line_magic
     def dist_stacks(self, line):

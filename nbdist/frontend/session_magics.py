@@ -39,14 +39,14 @@ def live_session() -> Session | None:
     return _SESSION if _SESSION is not None and _SESSION.status != "closed" else None
 
 
-def start_session(shell, options, start_timeout=None, check_collectives=False) -> Session:
+def start_session(shell, options, start_timeout=None, check_collectives=False, heal=None) -> Session:
     """``%dist_start``: start the ranks in the background and show them come up."""
     global _SESSION
     if live_session() is not None:
         raise UsageError(f"a session is live already ({_describe(_SESSION)}): %dist_stop or %dist_restart first")
     try:
         _SESSION = Session(**options.session_kwargs(), start_timeout=start_timeout,
-                           check_collectives=check_collectives)
+                           check_collectives=check_collectives, heal=heal)
     except LaunchConfigError as exc:
         raise UsageError(str(exc)) from None
     _SESSION.restart_hint = MAGIC_RESTART_HINT
@@ -119,6 +119,17 @@ def sync_replicas(src: int) -> str:
     try:
         return session.sync(src)
     except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def heal_session(donor) -> str:
+    """``%dist_heal``: the live session's dead ranks, brought back from ``donor`` (default: the lowest survivor)."""
+    session = live_session()
+    if session is None:
+        raise UsageError("%dist_heal heals a session's dead ranks (%dist_start); there is none now")
+    try:
+        return f"nbdist: {session.heal(donor)}"
+    except RuntimeError as exc:
         raise UsageError(str(exc)) from None
 
 

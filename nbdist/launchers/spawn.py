@@ -121,12 +121,25 @@ class SpawnLauncher(Launcher):
         self._explicit_warm = (self.start_method or os.environ.get("NBDIST_START_METHOD")) == "warm"
         self.start_method = choose_start_method(self.start_method)
         check_start_method(self.start_method)
-        self._forked: _ForkedRanks | None = None
-        self._processes: list | None = None
+        # rank -> what tells its exit: its multiprocessing.Process, or the template's _ForkedRanks. A
+        # healed session's replacement rank gets a handle of its own; the dead one's is dropped.
+        self._owner: dict[int, object] = {}
         self._pids: dict[int, int] = {}
         self._codes: dict[int, int | None] = {}
 
     def start(self, run_dir: str, run_id: str, nprocs: int, env: dict[str, str]) -> None:
+        self._start_ranks(run_dir, run_id, list(range(nprocs)), env)
+
+    def start_replacement(self, rank: int, run_dir: str, run_id: str, env: dict[str, str]) -> int:
+        """Start rank ``rank`` again (a session's heal), as the first one was started: forked from the
+        template where it serves, else spawned; the same marker, run dir and environment, plus
+        ``env``. The dead one's handle is dropped. Returns the new pid. Call it on the forker thread."""
+        if self._codes.get(rank) is None:
+            raise RuntimeError(f"rank {rank} still runs: only a rank that ended is replaced")
+        self._start_ranks(run_dir, run_id, [rank], env)
+        return self._pids[rank]
+
+    def _start_ranks(self, run_dir: str, run_id: str, ranks: list[int], env: dict[str, str]) -> None:
         import multiprocessing
         import multiprocessing.resource_tracker as resource_tracker
 
@@ -140,36 +153,35 @@ class SpawnLauncher(Launcher):
         # torchrun's default: N ranks on a shared CPU fight over threads otherwise.
         if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
             child_env["OMP_NUM_THREADS"] = "1"
-        if self.start_method == "warm" and self._start_warm(run_dir, run_id, nprocs, child_env):
+        if self.start_method == "warm" and self._start_warm(run_dir, run_id, ranks, child_env):
             return
         # Plain multiprocessing, not torch.multiprocessing.start_processes: its entry point imports
         # torch before ours runs, so a rank would spend its first seconds without nbdist's stack-dump
         # handler, its log or its process group. Ours imports only nbdist.worker (stdlib) first.
         context = multiprocessing.get_context(self.start_method)
         if self.start_method == "fork":
-            processes = [context.Process(target=_run_forked_rank, args=(child_env, rank, run_dir), daemon=False,
-                                         name=f"nbdist-rank-{rank}") for rank in range(nprocs)]
+            processes = {rank: context.Process(target=_run_forked_rank, args=(child_env, rank, run_dir), daemon=False,
+                                               name=f"nbdist-rank-{rank}") for rank in ranks}
         else:
-            processes = [context.Process(target=run_spawned_rank, args=(rank, run_dir), daemon=False,
-                                         name=f"nbdist-rank-{rank}") for rank in range(nprocs)]
+            processes = {rank: context.Process(target=run_spawned_rank, args=(rank, run_dir), daemon=False,
+                                               name=f"nbdist-rank-{rank}") for rank in ranks}
         # Each child's environment is built here and handed to its exec: the kernel's os.environ is
         # never changed, not even while the ranks start (a subprocess the notebook starts meanwhile
         # would carry the run marker, and %dist_stop would kill it).
         with starting_ranks({**os.environ, **child_env}), dump_signal_held():
-            for p in processes:
+            for p in processes.values():
                 p.start()
-        self._processes = processes
-        self._pids = {rank: p.pid for rank, p in enumerate(processes)}
-        self._codes = dict.fromkeys(self._pids)
+        for rank, p in processes.items():
+            self._owner[rank], self._pids[rank], self._codes[rank] = p, p.pid, None
 
-    def _start_warm(self, run_dir: str, run_id: str, nprocs: int, child_env: dict) -> bool:
+    def _start_warm(self, run_dir: str, run_id: str, ranks: list[int], child_env: dict) -> bool:
         """Fork the ranks from the template; False (said once) when it can't, and then we spawn."""
         import sys
 
         from nbdist.warmstart.handle import WarmUnavailable, fork_ranks, tell_once
 
         # spawn's semantics: the kernel's env, sys.path, cwd and argv as they are now, at launch.
-        request = {"run_id": run_id, "run_dir": run_dir, "ranks": list(range(nprocs)),
+        request = {"run_id": run_id, "run_dir": run_dir, "ranks": list(ranks),
                    "env": {**os.environ, **child_env}, "cwd": os.getcwd(), "sys_path": list(sys.path),
                    "argv": list(sys.argv)}
         try:
@@ -178,9 +190,9 @@ class SpawnLauncher(Launcher):
             tell_once(f"{exc}; starting the ranks with spawn")
             self.start_method = "spawn"
             return False
-        self._forked = _ForkedRanks({int(r): p for r, p in pids.items()}, conn)
-        self._pids = dict(self._forked.pids)
-        self._codes = dict.fromkeys(self._pids)
+        forked = _ForkedRanks({int(r): p for r, p in pids.items()}, conn)
+        for rank, pid in forked.pids.items():
+            self._owner[rank], self._pids[rank], self._codes[rank] = forked, pid, None
         return True
 
     @property
@@ -188,41 +200,45 @@ class SpawnLauncher(Launcher):
         """rank -> pid; kept after the handles are closed."""
         return dict(self._pids)
 
+    def _forked_owners(self) -> list:
+        return list({id(o): o for o in self._owner.values() if isinstance(o, _ForkedRanks)}.values())
+
     def sentinels(self) -> list:
-        if self._forked is not None:
-            return [self._forked.conn] if self._forked.conn is not None else []
-        if self._processes is None:
-            return []
-        return [p.sentinel for r, p in enumerate(self._processes) if self._codes[r] is None]
+        out = [f.conn for f in self._forked_owners() if f.conn is not None]
+        return out + [o.sentinel for r, o in self._owner.items() if not isinstance(o, _ForkedRanks)
+                      and self._codes.get(r) is None]
 
     def poll(self) -> dict[int, int | None]:
         """rank -> exit code, or None while running. Reaps exited ranks."""
-        if self._forked is not None:
-            self._codes = self._forked.poll()
-        elif self._processes is not None:
-            for rank, p in enumerate(self._processes):
-                if self._codes[rank] is None:
-                    self._codes[rank] = p.exitcode
+        told = {id(f): f.poll() for f in self._forked_owners()}
+        for rank, owner in self._owner.items():
+            if self._codes.get(rank) is None:
+                self._codes[rank] = told[id(owner)].get(rank) if isinstance(owner, _ForkedRanks) else owner.exitcode
         return dict(self._codes)
 
     def collect_exited(self, run_dir: str, known: set[int]) -> dict[int, int]:
         """Ranks (not in ``known``) that exited since the last call -> exit code.
 
         What a rank left in its process group (a DataLoader worker it never joined) is killed
-        before the rank is reaped, while its pid, the group's id, is still reserved.
+        before the rank is reaped, while its pid, the group's id, is still reserved (the template
+        does this itself for the ranks it forked).
         """
-        if self._forked is not None:  # the template cleared each group before it reaped the rank
-            return {r: c for r, c in self.poll().items() if r not in known and c is not None}
         out, recorded = {}, None
-        for rank, pid in self._pids.items():
-            if rank in known or not _exited_unreaped(pid):
+        for rank, owner in list(self._owner.items()):
+            if rank in known:
                 continue
-            if recorded is None:
-                recorded = set(read_pids(run_dir).values())
-            if pid in recorded:  # it reached setsid: it leads its own group
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(pid, signal.SIGKILL)
-            out[rank] = self.poll()[rank]
+            if not isinstance(owner, _ForkedRanks) and self._codes.get(rank) is None:
+                pid = self._pids[rank]
+                if not _exited_unreaped(pid):
+                    continue
+                if recorded is None:
+                    recorded = set(read_pids(run_dir).values())
+                if pid in recorded:  # it reached setsid: it leads its own group
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(pid, signal.SIGKILL)
+            code = self.poll()[rank]
+            if code is not None:
+                out[rank] = code
         return out
 
     def leaders(self) -> list[int]:
@@ -231,14 +247,12 @@ class SpawnLauncher(Launcher):
 
     def close(self) -> None:
         """Release the handles of exited ranks (their pipes); running ones stay open."""
-        if self._forked is not None:
-            if all(c is not None for c in self.poll().values()):
-                self._forked.close()
-            return
-        if self._processes is None:
-            return
-        self.poll()
-        if all(c is not None for c in self._codes.values()):
-            for p in self._processes:
-                p.close()
-            self._processes = None
+        codes = self.poll()
+        for forked in self._forked_owners():
+            if all(codes.get(r) is not None for r in forked.pids):
+                forked.close()
+        if all(c is not None for c in codes.values()):
+            for owner in self._owner.values():
+                if not isinstance(owner, _ForkedRanks):
+                    with contextlib.suppress(ValueError):  # closed already
+                        owner.close()

@@ -71,6 +71,7 @@ def start_run(fn, args, kwargs, options: WorldOptions, *, launcher=None, run_id=
         run.subscribe(on_event, replay=False)
     try:
         env = {k: str(v) for k, v in (options.env or {}).items()}
+        run.start_env = env
         # On the one thread that lives as long as the kernel: PDEATHSIG holds for what it starts.
         call_in_forker(launcher.start, run_dir, run_id, nprocs, env)
         run.begin()

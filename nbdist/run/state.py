@@ -104,6 +104,7 @@ class Run(EventSource):
         # A session's ranks that nbdist started itself: one that dies is the session's to handle (its
         # survivors keep their state), not a reason to stop the rest. The run ends once none is left.
         self.keep_survivors = False
+        self.start_env: dict[str, str] = {}  # the env the launcher started the ranks with (a replacement's too)
 
     # ---- public state -------------------------------------------------------------------
     @property
@@ -148,6 +149,22 @@ class Run(EventSource):
         local = next((r for r in self.ranks if self.global_rank(r) == grank), None)
         if local is not None:
             self.exit_seen.setdefault(local, time.time())
+
+    def replace_rank(self, grank: int, env: dict[str, str]) -> int:
+        """A session's heal: start rank ``grank``, which ended, again under this run (the same marker,
+        run dir and environment, plus ``env``), on the forker thread. Returns its pid."""
+        from nbdist.launchers.forker import call_in_forker
+
+        local = next(r for r in self.ranks if self.global_rank(r) == grank)
+        if self.ranks[local].status not in TERMINAL or not hasattr(self.launcher, "start_replacement"):
+            raise RuntimeError(f"rank {grank} of run {self.run_id} can't be replaced")
+        pid = call_in_forker(self.launcher.start_replacement, local, self.run_dir, self.run_id,
+                             {**self.start_env, **env})
+        self.exit_seen.pop(local, None)
+        self.ranks[local] = RankStatus(local, "running", pid=pid)
+        self._emit(RunEvent("running", grank, self.ranks[local]))
+        self.pace.wake()  # the monitor waits on the new rank's sentinel from now on
+        return pid
 
     def __repr__(self) -> str:
         return f"<nbdist.Run {self.run_id} {self.status} nprocs={self.nprocs} dir={self.run_dir}>"

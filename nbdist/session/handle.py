@@ -47,7 +47,9 @@ class Session(CellLevel):
     them, as IPython's ``%autoreload 2`` does (True; or a
     :class:`~nbdist.protocol.session_channel.Autoreload` for its other modes; the notebook's cells follow
     the kernel's ``%autoreload`` or ``%dist_autoreload`` instead). The ranks start in the background
-    (forked from the warm template when it is ready); the constructor returns at once.
+    (forked from the warm template when it is ready); the constructor returns at once. ``heal="auto"``:
+    a rank that dies is brought back from its peers at once (:meth:`heal`), and the cell that saw
+    the death says so.
 
     Attributes
     ----------
@@ -74,7 +76,7 @@ class Session(CellLevel):
 
     def __init__(self, nprocs=None, launcher="auto", backend="auto", env=None, run_dir=None, launcher_args=None,
                  nnodes=1, node_rank=0, master_addr=None, master_port=None, start_method=None, start_timeout=None,
-                 check_collectives=False, autoreload=False):
+                 check_collectives=False, autoreload=False, heal=None):
         self.options = WorldOptions.from_call(locals()).check()
         if launcher == "attach":
             raise LaunchConfigError("an attached kernel already is a persistent rank: run cells in it directly")
@@ -84,6 +86,9 @@ class Session(CellLevel):
         self.start_timeout = start_timeout
         self.check_collectives = bool(check_collectives)
         self.autoreload = autoreload
+        if heal not in (None, "off", "auto"):
+            raise LaunchConfigError(f"heal must be 'auto' or None, got {heal!r}")
+        self.heal_mode = "auto" if heal == "auto" else None
         self._hint = API_RESTART_HINT
         self._lock = threading.Lock()
         self._count = 0
@@ -92,7 +97,9 @@ class Session(CellLevel):
 
     def _new_incarnation(self) -> Incarnation:
         self._count += 1
-        return Incarnation(self.options, self._count, self._hint, self.start_timeout)
+        inc = Incarnation(self.options, self._count, self._hint, self.start_timeout)
+        inc.heal_mode = self.heal_mode
+        return inc
 
     @property
     def incarnation(self) -> Incarnation:
@@ -136,6 +143,8 @@ class Session(CellLevel):
     last_reform = property(lambda self: self._current.last_reform, doc="each rank's timings of the last re-forming")
     defined_names = property(lambda self: self._current.defined_names, doc="names cells defined on the ranks")
     rank_run = property(lambda self: self._current.rank_run, doc="the ranks' run (nbdist.run.state.Run)")
+    last_heal = property(lambda self: self._current.last_heal,
+                         doc="the last heal's report (a HealReport), or the error that stopped it")
 
     @property
     def gone(self) -> dict[int, str]:
@@ -166,6 +175,29 @@ class Session(CellLevel):
             current = self._current
         current.close(timeout)
         _LIVE.discard(self)
+
+    def heal(self, donor: int | None = None):
+        """Bring the ranks that died back from their peers: a degraded session becomes idle again.
+
+        Each dead rank starts again (same rank number, device, environment and marker), joins
+        every process group in place (the survivors' group objects, DDP models and their groups stay
+        the same objects), and takes from ``donor`` (default: the lowest survivor) every name that
+        all survivors hold alike. Rank-specific names, names only some survivors hold, and values
+        that can't be pickled are listed, not copied. Raises RuntimeError, in one line, where it
+        can't heal (ranks an engine started, a session lost or with no dead rank); a heal that fails
+        stops the new ranks and leaves the session degraded as it was.
+
+        Returns a :class:`~nbdist.session.healing.HealReport`; ``str()`` of it is the message.
+
+        Examples
+        --------
+        >>> session.status
+        'degraded'
+        >>> print(session.heal())
+        healed rank 2 from rank 0 in 3.1 s (start 1.2 s, re-form 0.9 s, copy 1.0 s): 9 names copied
+        rank-specific, not copied (they differ between survivors): rank
+        """
+        return self._current.heal(donor)
 
     def restart(self) -> None:
         """End the current ranks (or what is left of them) and start new ones with the same options.

@@ -3,8 +3,8 @@
 A session's ranks are one long-lived :class:`nbdist.run.state.Run` whose payload is the cell loop
 of :mod:`nbdist.worker.session_loop`. Everything a run guarantees holds for them as it is: each
 rank in its own process group, death with the kernel, the marker that ``nbdist.ps()`` finds,
-complete log files, and a rank that *dies* takes the whole tree down (the incarnation is then
-"broken").
+complete log files. A rank that *dies* takes the whole tree down under an engine (the incarnation
+is then "broken"); ranks nbdist started itself keep the survivors (degraded, then healed).
 
 Everything that belongs to those ranks lives here and nowhere else: their connections and pids,
 the cell that runs, its timer, the threads that read replies and bring the ranks in step, the
@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 import secrets
 import threading
 import time
-from multiprocessing.connection import wait
 
 from nbdist.errors import LaunchConfigError, SessionLostError, format_rank_set
 from nbdist.options import WorldOptions
@@ -45,16 +43,13 @@ from nbdist.session.bring_up import bring_up
 from nbdist.session.lifecycle import Life
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
-from nbdist.session.rank_deaths import describe_gone, note_rank_death, refuse_for_gone
+from nbdist.session.reply_reader import ReaderWake, read_replies
+from nbdist.session.rank_deaths import describe_gone, note_rank_death, refuse_for_gone, tell_untold_deaths
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.watched_files import WatchedFiles
-from nbdist.session.recovery import (CHECK_TIMEOUT_S, RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up,
-                                     interrupt_ranks, recover, release_if_asked, stop_cell)
+from nbdist.session.recovery import CHECK_TIMEOUT_S, RELEASE_AFTER_S, catch_up, interrupt_ranks, recover, stop_cell
 
 __all__ = ["Incarnation", "default_start_timeout"]
-
-log = logging.getLogger(__name__)
-
 
 def default_start_timeout(nprocs: int) -> float:
     """How long ranks may take to come up: spawned ones import torch, all of them on a busy box."""
@@ -91,6 +86,7 @@ class Incarnation:
         self.active: CellHandle | None = None
         self.recovering: CellHandle | None = None  # a user cell whose ranks are being brought in step
         self.send_lock = threading.Lock()
+        self.reader_wake = ReaderWake()  # the reply reader takes a healed rank's connection in
         self.reform_due = -1  # the generation another node's kernel re-forms from (nbdist.session.peers)
         self.stopped_by: str | None = None  # that kernel's reason
         self.told = threading.Condition(self.lock)  # notified when another kernel says it stopped
@@ -103,6 +99,8 @@ class Incarnation:
         self.last_failed_rank: int | None = None  # the root cause of the last failed cell (%dist_debug)
         self.gone: dict = {}  # rank -> RankGone: ranks that died, the survivors kept (nbdist.session.rank_deaths)
         self.gone_told: set[int] = set()  # of those, the ones the survivors' groups know they lack
+        self.heal_mode: str | None = None  # "auto": a death is healed at once (Session(heal="auto"))
+        self.last_heal = None  # the last heal's HealReport, or the error that stopped it
         self._cells = 0
         self.ready = threading.Event()
         self.started_at, self.ready_after = time.monotonic(), None
@@ -155,55 +153,28 @@ class Incarnation:
 
     # ---- replies -----------------------------------------------------------------------------
     def read_replies(self) -> None:
-        """The ranks' answers; no polling: blocks until one writes or goes away. Whatever one
-        reply does, the reader goes on (or ends the incarnation, saying why): a cell never hangs."""
-        conns = {id(c): r for r, c in self.conns.items()}
-        live = list(self.conns.values())
-        while live and not self.ended:
-            for conn in wait(live):
-                rank = conns[id(conn)]
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    live.remove(conn)  # that rank exited: the session run's monitor says why
-                    self.rank_run.saw_rank_go(rank)
-                    # Its socket closed first: the other nodes hear it now.
-                    tell_world_gone(self, f"was lost (rank {rank} ended)")
-                    continue
-                except Exception as exc:  # a message that can't be read: this rank's channel is not to be trusted
-                    live.remove(conn)
-                    self.lose(f"the session was stopped: a message from rank {rank} could not be read "
-                              f"({type(exc).__name__}: {exc}); its state is lost; {self.restart_hint}")
-                    continue
-                try:
-                    self._on_reply(rank, message)
-                except Exception as exc:  # nbdist's own bug: never a cell that waits for ever
-                    log.exception("nbdist: handling rank %s's reply failed", rank)
-                    self.lose(f"the session was stopped: nbdist failed on rank {rank}'s reply "
-                              f"({type(exc).__name__}: {exc}); its state is lost; {self.restart_hint}")
+        """The ranks' answers, for as long as the incarnation lives (:mod:`nbdist.session.reply_reader`)."""
+        read_replies(self)
 
-    def _on_reply(self, rank: int, message) -> None:
-        cell = self.active
-        if cell is None or message[2] != cell.cell_id:
-            return
-        if message[0] == "display":
-            cell.feed_display(rank, message[3], message[4])
-            return
-        if message[0] in ("debug", "debug_resumed"):
-            cell.on_debug_message(rank, message)
-            return
-        _, _, _, kind, body, offsets, watched = message
-        if watched:
-            self.watched_files.note(rank, watched)
-        last = cell.record_done(rank, kind, body, offsets, self.pids.get(rank))
-        release_if_asked(self, cell, rank)
-        if last:
-            self.settle(cell)
-        elif (kind == "failed" or (kind == "interrupted" and not cell.stop_requested)) and not cell.internal:
-            # Its peers may wait for it in a collective (it raised, or raised KeyboardInterrupt by
-            # itself): release them as the stop button would.
-            threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
-                             daemon=True).start()
+    def add_rank(self, hello) -> None:
+        """A rank the heal started said hello: from now on it is one of the ranks, read and written."""
+        with self.lock:
+            self.conns[hello.rank], self.pids[hello.rank] = hello.conn, hello.pid
+        self.reader_wake.wake()
+
+    def remove_rank(self, rank: int) -> None:
+        """A rank the heal started, and stopped again: it is not one of the ranks (it stays gone)."""
+        with self.lock:
+            self.pids.pop(rank, None)
+            conn = self.conns.pop(rank, None)
+        if conn is not None:
+            conn.close()
+
+    def heal(self, donor: int | None = None):
+        """Bring the dead ranks back from their peers (:func:`nbdist.session.healing.heal`)."""
+        from nbdist.session.healing import heal
+
+        return heal(self, donor)
 
     def settle(self, cell: CellHandle) -> None:
         """Every rank of ``cell`` answered (or died): end it, bringing the ranks in step first if needed."""
@@ -229,6 +200,7 @@ class Incarnation:
             self.life.move("degraded" if self.gone else "idle", only_from=("busy", "recovering"))
             self.recovering = None
         cell.finish()
+        tell_untold_deaths(self)  # one that died while they were brought in step
 
     def on_run_event(self, event) -> None:
         """The ranks' run ended by itself (a rank died, and the run took the whole tree down)."""
@@ -393,7 +365,7 @@ class Incarnation:
             payload = None
         with self.lock:
             # nbdist's own cells run while the ranks are brought in step; a user's, when they are idle.
-            if self.life.state not in (("recovering",) if internal else ("idle", "degraded")):
+            if self.life.state not in (("recovering", "healing") if internal else ("idle", "degraded")):
                 raise RuntimeError(f"the session is {self.status}; it can't take a cell now")
             cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal, stdin)
             if not internal:

@@ -37,7 +37,7 @@ MOVES: dict[str, frozenset[str]] = {
     "busy": frozenset({"idle", "recovering", "degraded", "lost", "closed"}),
     "recovering": frozenset({"idle", "degraded", "lost", "closed"}),
     "degraded": frozenset({"busy", "recovering", "healing", "lost", "closed"}),
-    "healing": frozenset({"idle", "degraded", "lost", "closed"}),
+    "healing": frozenset({"idle", "recovering", "lost", "closed"}),
     "lost": frozenset({"closed"}),
     "closed": frozenset(),
 }

@@ -20,16 +20,22 @@ the run ends, and :meth:`Incarnation.on_run_event` says so.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
 from nbdist.errors import RankFailure, RankGoneError, format_rank_set
-from nbdist.session.recovery import RELEASE_AFTER_PEER_FAILED_S, call_on_ranks
+from nbdist.session.recovery import MAX_DEATHS_WHILE_RECOVERING, RELEASE_AFTER_PEER_FAILED_S, call_on_ranks
 
 __all__ = ["RankGone", "note_rank_death", "degrade_survivors", "refuse_for_gone", "describe_gone",
-           "LAST_LINES"]
+           "heal_at_once", "tell_untold_deaths", "LAST_LINES"]
 
+log = logging.getLogger(__name__)
+# Survivors re-form their whole groups in well under a second; a member that dies meanwhile leaves
+# the others in gloo's connect until this, then the session degrades again without it.
+DEGRADE_CONNECT_S = 10.0
+SETTLE_S = 0.2  # ranks that die together (a node's OOM killer) are seen within this: told at once
 LAST_LINES = 3  # of the dead rank's log, in the cell's error and in the session's repr
 
 
@@ -77,7 +83,12 @@ def note_rank_death(inc, rank: int, status) -> None:
     thread of its own, as degrading the groups runs an internal cell on them, whose replies the
     reader thread must read."""
     with inc.lock:
-        if inc.ended or rank in inc.gone or rank not in inc.pids:
+        if inc.ended:
+            return
+        if rank in inc.gone and inc.life.state == "healing":  # its replacement died: the heal fails, now
+            _fail_heal_call(inc, rank, status)
+            return
+        if rank in inc.gone or rank not in inc.pids:
             return
         gone = RankGone(rank, status.pid or inc.pids.get(rank), status.exitcode, status.signal_name, time.time(),
                         _last_lines(inc.rank_run, rank))
@@ -88,7 +99,7 @@ def note_rank_death(inc, rank: int, status) -> None:
             return  # every rank died: the run ends by itself, and the session is lost (on_run_event)
         cell = inc.active
         state = inc.life.state
-    if state in ("busy", "recovering") and cell is not None:
+    if state in ("busy", "recovering", "healing") and cell is not None:
         recorded = cell.record_death(gone.as_failure())
         if recorded:
             inc.settle(cell)  # the dead rank was the last to answer (an internal call: it fails, and
@@ -102,22 +113,60 @@ def note_rank_death(inc, rank: int, status) -> None:
         threading.Thread(target=degrade_when_idle, args=(inc,), name="nbdist-rank-death", daemon=True).start()
 
 
+def _fail_heal_call(inc, rank: int, status) -> None:
+    """The heal's replacement for ``rank`` died: the call it was part of fails (the heal then undoes)."""
+    cell = inc.active
+    if cell is None or not cell.internal:
+        return
+    failure = RankFailure(rank=rank, pid=status.pid, exitcode=status.exitcode, signal_name=status.signal_name,
+                          message="its replacement died during the heal", time=time.time())
+    if cell.record_death(failure):
+        threading.Thread(target=inc.settle, args=(cell,), daemon=True).start()
+
+
+def tell_untold_deaths(inc) -> None:
+    """Idle (or degraded) again after a cell or a heal: a rank that died meanwhile, whose death no
+    call was waiting on, is told to the survivors now."""
+    if not inc.ended and set(inc.gone) - inc.gone_told and inc.pids:
+        threading.Thread(target=degrade_when_idle, args=(inc,), name="nbdist-rank-death", daemon=True).start()
+
+
 def degrade_when_idle(inc) -> None:
     """An idle session lost a rank: its survivors' groups learn which members they lack."""
     from nbdist.errors import SessionLostError
 
+    time.sleep(SETTLE_S)
     with inc.lock:
         if not inc.life.move("recovering", only_from=("idle", "degraded")):
             return  # busy meanwhile (the cell's end degrades), or ended
-    try:
-        degrade_survivors(inc)
-    except SessionLostError:
-        return  # the session was stopped, saying why
-    except Exception as exc:
-        inc.lose(f"the session was stopped: after {describe_gone(inc.gone)}, its survivors could not be told "
-                 f"({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
+    for _ in range(1 + MAX_DEATHS_WHILE_RECOVERING):
+        try:
+            degrade_survivors(inc)
+            break
+        except SessionLostError:
+            return  # the session was stopped, saying why
+        except Exception as exc:
+            if not inc.ended and inc.pids and set(inc.gone) - inc.gone_told:
+                continue  # another rank died meanwhile (two at once): again, on who is left
+            inc.lose(f"the session was stopped: after {describe_gone(inc.gone)}, its survivors could not be told "
+                     f"({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
+            return
+    else:
+        inc.lose(f"the session was stopped: ranks kept dying ({describe_gone(inc.gone)}); {inc.restart_hint}")
         return
     inc.life.move("degraded", only_from=("recovering",))
+    if inc.heal_mode == "auto":  # no cell to say it: Session.last_heal holds it, and the log
+        log.warning("nbdist: %s", heal_at_once(inc))
+
+
+def heal_at_once(inc) -> str:
+    """``heal="auto"``: heal now; what happened, in words for the cell that saw the death."""
+    try:
+        inc.last_heal = inc.heal()
+    except Exception as exc:  # noqa: BLE001 - said, and the session stays degraded
+        inc.last_heal = exc
+        return f"the heal (--heal auto) failed: {exc}"
+    return f"--heal auto: {inc.last_heal}"
 
 
 def degrade_survivors(inc) -> str:
@@ -127,7 +176,7 @@ def degrade_survivors(inc) -> str:
 
     gone = dict(inc.gone)
     told = {r: g.how() for r, g in gone.items()}
-    answers = call_on_ranks(inc, degrade_groups, told, inc.life.next_generation())
+    answers = call_on_ranks(inc, degrade_groups, told, inc.life.next_generation(), DEGRADE_CONNECT_S)
     inc.gone_told = set(gone)
     survivors = format_rank_set(sorted(inc.pids))
     lacking = any(a and a["lacking"] for a in answers.values())

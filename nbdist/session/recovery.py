@@ -142,18 +142,29 @@ def recover(inc, cell) -> None:
                  f"the state is lost; {inc.restart_hint}")
         cell.lose(SessionLostError(inc.lost_reason))
         return
+    if inc.gone and inc.heal_mode == "auto":  # Session(heal="auto"): this cell says how the heal went
+        from nbdist.session.rank_deaths import heal_at_once
+
+        with inc.lock:
+            inc.life.move("degraded", only_from=("recovering",))
+        cell.note = f"{cell.note}; {heal_at_once(inc)}" if cell.note else heal_at_once(inc)
     inc.become_idle(cell)
 
 
-def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S) -> dict:
-    """Run nbdist's own ``fn(*args)`` on every rank of a session that is bringing its ranks in step.
+def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None) -> dict:
+    """Run nbdist's own ``fn(*args)`` on every rank (or ``ranks``) of a session that is bringing its
+    ranks in step, or healing.
 
     Returns ``{rank: value}``; a rank that doesn't answer within ``timeout`` is dumped and the
     session is stopped (SessionLostError); a rank that raised raises its WorkerFailedError.
     """
+    gone = sorted(set(ranks or ()) - set(inc.conns))
+    if gone:  # died since the caller chose them (the heal's donor, say)
+        raise RuntimeError(f"{format_rank_set(gone)} died meanwhile")
     cell_dir = inc.new_cell_dir()
     payload, _ = rundir.pack_payload(fn, args, {})
-    handle = inc.start_cell(cell_dir, sorted(inc.pids), payload, None, internal=True)
+    handle = inc.start_cell(cell_dir, sorted(inc.pids) if ranks is None else list(ranks), payload, None,
+                            internal=True)
     if not handle.answered.wait(timeout):
         stuck = handle.busy_ranks()
         where = inc.dump_stacks(stuck) if stuck else ""

@@ -210,8 +210,9 @@ def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
     # torch's store-based barrier after the group is made: no rank runs (and, with a short cell,
     # exits) before every peer has finished connecting, or a slow peer's gloo mesh fails with
     # "Connection closed by peer". Set for this call only: the user's own new_group() is untouched.
+    # A healed rank skips it: its peers passed it long ago, and now re-form their groups with it.
     saved = os.environ.get("TORCH_DIST_INIT_BARRIER")
-    os.environ["TORCH_DIST_INIT_BARRIER"] = "1"
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "0" if os.environ.get("NBDIST_HEAL_GENERATION") else "1"
     try:
         dist.init_process_group(
             backend=backend, init_method=spec.init_method, rank=identity.rank, world_size=identity.world_size

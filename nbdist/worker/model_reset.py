@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-__all__ = ["track_ddp_models", "reset_ddp_reducers", "fingerprint_ddp_models", "count_unfinished_ddp",
+__all__ = ["track_ddp_models", "track_ddp_model", "live_ddp_models", "reset_ddp_reducers", "fingerprint_ddp_models", "count_unfinished_ddp",
            "reset_fsdp_roots", "count_fsdp_roots", "reset_models"]
 
 _DDP_MODELS: list[weakref.ref] = []  # in the order the rank built them: the same order on every rank
@@ -41,6 +41,16 @@ def track_ddp_models() -> None:
 
     tracked_init._nbdist_tracked = True
     DistributedDataParallel.__init__ = tracked_init
+
+
+def track_ddp_model(model) -> None:
+    """Track a DDP model that was not built here: unpickled by the heal, in the donor's order."""
+    _DDP_MODELS.append(weakref.ref(model))
+
+
+def live_ddp_models() -> list:
+    """This rank's DDP models, in the order they were built (the same on every rank)."""
+    return _live_ddp_models()
 
 
 def reset_ddp_reducers() -> int:

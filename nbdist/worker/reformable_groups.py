@@ -24,12 +24,14 @@ import os
 import socket
 import time
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
 from nbdist.worker import flight_recorder, stop_point
+from nbdist.worker.group_replay import record_group_calls
 from nbdist.worker.model_reset import reset_models, track_ddp_models
 from nbdist.worker.optimizer_steps import track_optimizer_steps
 
@@ -73,14 +75,16 @@ class ReformableGroup(dist.ProcessGroup):
         self._name, self._desc = name, desc
         self.members = tuple(members) or tuple(range(size))  # global ranks (torch gives none for the world's)
         self.missing: dict[int, str] = {}  # global rank -> how it died: the group lacks it until the heal
-        self.generation, self.issued, self.group_wide = 0, 0, 0
+        # A healed rank joins its peers' groups where they re-form them: under the heal's generation.
+        self.generation, self.issued, self.group_wide = joining_generation(), 0, 0
         # What messages call it: torch names groups by number; the first one made is the world's.
         self.label = "the default group" if not live_groups() else f"group {name or len(_GROUPS)}"
         self._inner = self._connect()
         _GROUPS.append(weakref.ref(self))
 
-    def _connect(self):
-        """A new inner torch group under this generation's store prefix (blocks until every member joins)."""
+    def _connect(self, connect_timeout: float | None = None):
+        """A new inner torch group under this generation's store prefix (blocks until every member
+        joins, within ``connect_timeout`` seconds where given: a heal's peer may die meanwhile)."""
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         store = dist.PrefixStore(f"nbdist-gen{self.generation}/", self._store)
@@ -91,7 +95,8 @@ class ReformableGroup(dist.ProcessGroup):
             device_store = dist.PrefixStore(f"{device}/", store)
             if backend == "gloo":
                 opts = ProcessGroupGloo._Options()
-                opts._timeout = self._timeout
+                opts._timeout = (min(self._timeout, timedelta(seconds=connect_timeout)) if connect_timeout
+                                 else self._timeout)
                 opts._devices = [ProcessGroupGloo.create_default_device()]
                 made, kind = ProcessGroupGloo(device_store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.GLOO
             else:  # nccl: only where CUDA is (the worker asks for it then)
@@ -100,6 +105,8 @@ class ReformableGroup(dist.ProcessGroup):
                 opts = ProcessGroupNCCL.Options()
                 opts._timeout = self._timeout
                 made, kind = ProcessGroupNCCL(device_store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.NCCL
+            if connect_timeout and backend == "gloo":
+                made.set_timeout(self._timeout)  # connected: the collectives' own timeout again
             inner._register_backend(torch.device(device), kind, made)
             default = kind if default is None or device != "cpu" else default
         inner._set_default_backend(default)
@@ -143,12 +150,12 @@ class ReformableGroup(dist.ProcessGroup):
                     sock.close()
         return cut
 
-    def reform(self, generation: int) -> None:
+    def reform(self, generation: int, connect_timeout: float | None = None) -> None:
         """Connect again under ``generation`` (every member must call this with the same number)."""
         self.release()
         self.generation, self.issued, self.group_wide = generation, 0, 0
         self.missing = {}
-        self._inner = self._connect()
+        self._inner = self._connect(connect_timeout)
 
     def lack(self, gone: dict[int, str]) -> None:
         """Members of ``gone`` died: drop the connections, and fail every collective at once, naming
@@ -226,6 +233,21 @@ def _create(options, _backend_options):
 
 
 _DEVICES: dict = {}
+HEAL_GENERATION_ENV = "NBDIST_HEAL_GENERATION"  # set in a replacement rank's environment by the heal
+_JOINING: list[int] = []  # the generation a healed rank makes its first groups under, until it joined
+
+
+def joining_generation() -> int:
+    """The generation a new group connects under: 0, but in a rank that the heal started, whose
+    groups are made while its peers re-form theirs under the heal's generation."""
+    if not _JOINING:
+        _JOINING.append(int(os.environ.get(HEAL_GENERATION_ENV, "0")))
+    return _JOINING[0]
+
+
+def joined() -> None:
+    """A healed rank made every group its peers have: groups made from now on start at 0, as theirs do."""
+    _JOINING[:] = [0]
 
 
 def register(backend: str) -> str:
@@ -240,6 +262,7 @@ def register(backend: str) -> str:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES))
     track_ddp_models()
     track_optimizer_steps()
+    record_group_calls()  # what a healed rank replays
     _report_wrapped_backend(backend)
     return BACKEND_NAME
 
@@ -295,7 +318,7 @@ def _socket_inodes(fds=None) -> dict[int, str]:
     return out
 
 
-def reform_groups(generation: int) -> dict:
+def reform_groups(generation: int, connect_timeout: float | None = None) -> dict:
     """Connect every group again under ``generation``; the objects (and what holds them) stay.
 
     Returns what was done, for the cell's note: how many groups, how long each part took, and
@@ -307,18 +330,20 @@ def reform_groups(generation: int) -> dict:
         group.release()
     released = time.monotonic()
     for group in groups:
-        group.reform(generation)
+        group.reform(generation, connect_timeout)
     connected = time.monotonic()
     models = reset_models()
     return {"groups": len(groups), "seconds": time.monotonic() - start, **models,
             "release_s": released - start, "connect_s": connected - released, "reset_s": time.monotonic() - connected}
 
 
-def degrade_groups(gone: dict[int, str], generation: int) -> dict:
+def degrade_groups(gone: dict[int, str], generation: int, connect_timeout: float | None = None) -> dict:
     """On every survivor after ranks died (``gone``: global rank -> how): each group that held one of
     them lacks it until the heal (its collectives fail at once, naming it); each other group is
     re-formed under ``generation`` among its members, all survivors, so that one left mid-collective
-    by the stop that freed them is in step again. Returns ``{"lacking": n, "reformed": n}``."""
+    by the stop that freed them is in step again; within ``connect_timeout`` seconds, as a member
+    may die meanwhile (the session then degrades again, without it). Returns ``{"lacking": n,
+    "reformed": n}``."""
     lacking = reformed = 0
     for group in live_groups():
         dead = {r: why for r, why in gone.items() if r in group.members}
@@ -326,7 +351,7 @@ def degrade_groups(gone: dict[int, str], generation: int) -> dict:
             group.lack(dead)
             lacking += 1
         else:
-            group.reform(generation)
+            group.reform(generation, connect_timeout)
             reformed += 1
     return {"lacking": lacking, "reformed": reformed}
 

@@ -162,6 +162,7 @@ def serve_session(session_dir: str, address) -> None:
     rank = int(os.environ.get("RANK", "0"))
     _KERNEL_HERE = rundir.read_spec(session_dir).kernel_host == socket.gethostname()
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
+    address = _join_healed_session(address)
     # Within a deadline, hello included: a kernel that can't be reached ends this rank, saying why.
     conn = connect_to_kernel(address, read_session_key(session_dir), rank)
     lock = threading.Lock()  # a cell's own threads may display while the loop reports
@@ -222,6 +223,25 @@ def serve_session(session_dir: str, address) -> None:
         debugger.install(None, None)
         track()  # the modules the cell imported, with their files' mtimes before the user can edit them
         send(("done", rank, cell_id, kind, body, (start, _log_offsets()), take_report()))
+
+
+def _join_healed_session(address):
+    """A rank the heal started (:mod:`nbdist.session.healing`): make the donor's groups in its order,
+    while the survivors re-form theirs, then say hello where the heal listens. Else ``address``."""
+    heal_file = os.environ.get("NBDIST_HEAL_FILE")
+    if not heal_file:
+        return address
+    import pickle
+
+    from nbdist.worker import reformable_groups
+    from nbdist.worker.group_replay import replay_groups
+
+    with open(heal_file, "rb") as fh:
+        heal = pickle.load(fh)
+    if _torch_groups_in_use():
+        replay_groups(heal["groups"])
+        reformable_groups.joined()
+    return tuple(heal["address"])
 
 
 def _debug_channel(conn, send, rank: int, cell_id: int):
@@ -321,21 +341,22 @@ def release_groups() -> None:
         reformable_groups.release_groups()
 
 
-def reform_groups(generation: int) -> dict:
-    """Run on every rank to re-form the groups in place under ``generation``."""
+def reform_groups(generation: int, connect_timeout: float | None = None) -> dict:
+    """Run on every rank to re-form the groups in place under ``generation`` (each connect within
+    ``connect_timeout`` seconds, where given: the heal's)."""
     from nbdist.worker import reformable_groups
 
-    return reformable_groups.reform_groups(generation)
+    return reformable_groups.reform_groups(generation, connect_timeout)
 
 
-def degrade_groups(gone: dict, generation: int) -> dict | None:
+def degrade_groups(gone: dict, generation: int, connect_timeout: float | None = None) -> dict | None:
     """Run on the survivors of a death: their groups lack the dead ranks until the heal
     (:func:`nbdist.worker.reformable_groups.degrade_groups`); None without a process group."""
     if not _torch_groups_in_use():
         return None
     from nbdist.worker import reformable_groups
 
-    return reformable_groups.degrade_groups(gone, generation)
+    return reformable_groups.degrade_groups(gone, generation, connect_timeout)
 
 
 def get_name(name: str):

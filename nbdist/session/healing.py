@@ -1,0 +1,248 @@
+"""The heal: a degraded session's dead ranks started again and rebuilt from their peers.
+
+``Session.heal(donor=None)`` (``%dist_heal [--from R]``), in three timed phases:
+
+1. *start*: the donor (the lowest survivor, or the one named) says which groups it made, in order
+   (:mod:`nbdist.worker.group_replay`); each dead rank is started again under the same run (forked
+   from the warm template where it serves, else spawned), with the same rank number, device,
+   environment and marker;
+2. *re-form*: the survivors re-form every group in place under a new generation, while the new
+   rank makes the donor's groups in the donor's order under that generation; so each group meets,
+   and the survivors' group objects (the default group, ``new_group``'s, what DDP holds) stay the
+   same objects. Every survivor's DDP reducers are reset, as the new rank's are fresh;
+3. *copy*: every survivor fingerprints each of its names; what is the same on all of them is
+   copied from the donor in one dump (:mod:`nbdist.worker.namespace_copy`). With one survivor there
+   is nothing to compare: only DDP models and their optimizers are copied, the rest is listed as
+   not judged. The replicas are then compared as after a stop.
+
+Anything that fails on the way stops the replacements, and the survivors are told again which
+ranks their groups lack: the session is degraded as before, and says why. A cell sent meanwhile
+waits (the session is "healing").
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+
+from nbdist.errors import format_rank_set
+from nbdist.protocol import rundir
+from nbdist.protocol.session_channel import read_session_key
+from nbdist.run.rank_listener import RankListener
+from nbdist.session.rank_deaths import degrade_survivors, tell_untold_deaths
+from nbdist.session.recovery import call_on_ranks
+
+__all__ = ["heal", "HealReport", "HEAL_CONNECT_S"]
+
+HEAL_CONNECT_S = 90.0  # a spawned replacement imports torch before it joins; the survivors wait that long
+
+
+@dataclass
+class HealReport:
+    """What a heal did, for its one message (:meth:`describe`) and for tests."""
+
+    healed: list[int]
+    donor: int
+    copied: list[str] = field(default_factory=list)
+    rank_specific: list[str] = field(default_factory=list)  # values that differ between survivors
+    partial: list[str] = field(default_factory=list)  # held by some survivors only
+    unpicklable: dict[str, str] = field(default_factory=dict)
+    not_judged: list[str] = field(default_factory=list)  # one survivor: nothing to compare with
+    seconds: dict[str, float] = field(default_factory=dict)  # start, reform, copy
+    replicas: str | None = None  # DDP replicas apart after the copy, and what to do
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self) -> str:
+        ranks = format_rank_set(self.healed)
+        s = self.seconds
+        lines = [f"healed {ranks} from rank {self.donor} in {sum(s.values()):.1f} s (start {s.get('start', 0):.1f} s, "
+                 f"re-form {s.get('reform', 0):.1f} s, copy {s.get('copy', 0):.1f} s): {len(self.copied)} names copied"]
+        if self.rank_specific:
+            lines.append(f"rank-specific, not copied (they differ between survivors): {', '.join(self.rank_specific)}")
+        if self.partial:
+            lines.append(f"not copied (only some survivors hold them): {', '.join(self.partial)}")
+        if self.not_judged:
+            lines.append(f"not copied (one survivor: nothing to compare with): {', '.join(self.not_judged)}")
+        if self.unpicklable:
+            lines.append("could not be copied: " + "; ".join(f"{n} ({why})" for n, why in self.unpicklable.items()))
+        if self.rank_specific or self.partial or self.not_judged or self.unpicklable:
+            lines.append(f"{ranks} lacks those: set them in a cell with --ranks {','.join(map(str, self.healed))} "
+                         f"(ranks=[...]), or reload them from a checkpoint")
+        if self.replicas:
+            lines.append(self.replicas)
+        return "\n".join(lines)
+
+
+def refuse_heal(inc, donor) -> None:
+    """Raise RuntimeError, in one line, where this incarnation can't be healed now."""
+    engine = getattr(inc.engine, "name", None)
+    if inc.ended or not inc.rank_run or not inc.rank_run.keep_survivors:
+        if engine is not None:
+            raise RuntimeError(f"nbdist can't heal ranks that {engine} started: {engine} ends the survivors itself "
+                               f"when a rank dies, and can't add one process; {inc.restart_hint}")
+        if inc.options.nnodes > 1:
+            raise RuntimeError(f"nbdist can't heal a rank on another node; {inc.restart_hint}")
+        why = inc.lost_reason or f"the session is {inc.status}"
+        raise RuntimeError(f"nothing to heal from: {why.rstrip('.')}; {inc.restart_hint}"
+                           if inc.ended else f"nothing to heal: every rank is alive ({inc.status})")
+    if inc.life.state != "degraded":
+        what = "every rank is alive" if not inc.gone else f"the session is {inc.status}"
+        raise RuntimeError(f"nothing to heal now: {what}")
+    if donor is not None and donor not in inc.pids:
+        raise RuntimeError(f"rank {donor} can't be the donor: the survivors are {format_rank_set(inc.pids)}")
+
+
+def heal(inc, donor: int | None = None) -> HealReport:
+    """Bring ``inc``'s dead ranks back from ``donor`` (default: the lowest survivor); see the module."""
+    from nbdist.worker import group_replay
+
+    refuse_heal(inc, donor)
+    with inc.lock:
+        if not inc.life.move("healing", only_from=("degraded",)):
+            raise RuntimeError(f"nothing to heal now: the session is {inc.status}")
+    dead, survivors = sorted(inc.gone), sorted(inc.pids)
+    donor = survivors[0] if donor is None else donor
+    report = HealReport(healed=dead, donor=donor)
+    started: dict[int, int] = {}
+    try:
+        t0 = time.monotonic()
+        calls = call_on_ranks(inc, group_replay.recorded_groups, ranks=[donor])[donor]
+        bad = group_replay.unreplayable(calls, set(dead))
+        if bad:
+            raise RuntimeError(f"{'; '.join(bad)} can't be re-formed with a new member (only groups made "
+                               f"without backend= are); {inc.restart_hint}")
+        generation = inc.life.next_generation()
+        hellos = _start_replacements(inc, dead, calls, generation, started)
+        report.seconds["start"] = time.monotonic() - t0
+        t1 = time.monotonic()
+        _reform_with_replacements(inc, generation, hellos, dead)
+        report.seconds["reform"] = time.monotonic() - t1
+        t2 = time.monotonic()
+        _copy_namespace(inc, report, survivors)
+        report.seconds["copy"] = time.monotonic() - t2
+    except BaseException as exc:
+        _undo(inc, dead, started, exc)
+        raise
+    with inc.lock:
+        for rank in dead:
+            inc.gone.pop(rank, None)
+            inc.gone_told.discard(rank)
+        inc.sources_held = set()  # the new rank holds no notebook source yet: the next cell sends them
+        inc.life.move("idle", only_from=("healing",))
+    tell_untold_deaths(inc)  # the donor, say, died after it gave its names
+    return report
+
+
+def _start_replacements(inc, dead: list[int], calls: list, generation: int, started: dict) -> dict:
+    """Each dead rank started again, told the donor's groups and where to say hello; returns a dict
+    the hellos fill in (on a thread: they come once the new ranks joined the groups)."""
+    listener = RankListener(inc.address[0], read_session_key(inc.run_dir), len(dead))
+    heal_file = os.path.join(inc.run_dir, f"heal-{generation}.pkl")
+    rundir.write_private(heal_file, pickle.dumps({"groups": calls, "address": list(listener.address)}))
+    hellos: dict = {}
+
+    def accept() -> None:
+        deadline = time.monotonic() + HEAL_CONNECT_S + 30
+        listener.accept_all(len(dead), deadline, lambda h: hellos.__setitem__(h.rank, h),
+                            lambda: inc.life.state == "healing")
+        listener.close()
+
+    hellos["_thread"] = threading.Thread(target=accept, name="nbdist-heal-accept", daemon=True)
+    hellos["_thread"].start()
+    env = {"NBDIST_HEAL_GENERATION": str(generation), "NBDIST_HEAL_FILE": heal_file}
+    for rank in dead:
+        started[rank] = inc.rank_run.replace_rank(rank, env)
+    return hellos
+
+
+def _reform_with_replacements(inc, generation: int, hellos: dict, dead: list[int]) -> None:
+    """The survivors re-form every group (and reset their DDP reducers) while the new ranks join."""
+    from nbdist.worker.session_loop import reform_groups
+
+    # A peer that dies meanwhile leaves the others in gloo's connect: its own deadline frees them
+    # (an error, so the heal undoes) before the kernel's, which would end the session.
+    inc.last_reform = call_on_ranks(inc, reform_groups, generation, HEAL_CONNECT_S - 30, timeout=HEAL_CONNECT_S)
+    thread = hellos.pop("_thread")
+    thread.join(30)
+    missing = [r for r in dead if r not in hellos]
+    if missing:
+        raise RuntimeError(f"{format_rank_set(missing)} joined the groups but never said hello to the kernel")
+    for rank in dead:
+        inc.add_rank(hellos[rank])
+
+
+def _copy_namespace(inc, report: HealReport, survivors: list[int]) -> None:
+    """Copy what every survivor holds alike from the donor; list the rest; compare the replicas."""
+    from nbdist.session.replica_check import describe_drift
+    from nbdist.worker import namespace_copy
+    from nbdist.worker.session_loop import count_collectives
+
+    prints = call_on_ranks(inc, namespace_copy.fingerprint_names, ranks=survivors)
+    names, groups = _judge(prints, report)
+    if len(survivors) == 1:  # nothing to compare: only what nbdist knows is replicated
+        known = call_on_ranks(inc, namespace_copy.replicated_names, ranks=survivors)[survivors[0]]
+        report.not_judged = sorted(set(names) - set(known))
+        names = [n for n in names if n in known]
+    exported = call_on_ranks(inc, namespace_copy.export_names, names, groups,
+                             ranks=[report.donor])[report.donor]
+    report.unpicklable.update(exported["unpicklable"])
+    call_on_ranks(inc, namespace_copy.import_names, exported, ranks=report.healed)
+    call_on_ranks(inc, namespace_copy.rebuild_ddp_reducers)  # every rank alike: one bucket order
+    report.copied = sorted(set(names) - set(report.unpicklable))
+    answers = {r: a for r, a in call_on_ranks(inc, count_collectives).items() if a is not None}
+    if answers:  # the DDP replicas, as after a stop (the optimizers' step counts are per cell: not here)
+        report.replicas = describe_drift({r: a[3] for r, a in answers.items()}, {}, [])
+
+
+def _judge(prints: dict[int, dict], report: HealReport) -> tuple[list[str], dict[str, int]]:
+    """The names every survivor holds with the same fingerprint, and the group handles among them
+    (``{name: k}``: the k-th group call, whose handle each rank has its own of); the others go
+    into the report."""
+    from nbdist.worker.group_replay import NOT_A_MEMBER
+
+    every = set.intersection(*(set(p) for p in prints.values()))
+    report.partial = sorted(set.union(*(set(p) for p in prints.values())) - every)
+    same, differ, groups = [], [], {}
+    for name in sorted(every):
+        values = {p[name] for p in prints.values()}
+        made = {v for v in values if v.startswith("process group #")}
+        if len(made) == 1 and values <= made | {NOT_A_MEMBER}:  # members hold it, the others torch's stand-in
+            groups[name] = int(next(iter(made)).rsplit("#", 1)[1])
+            same.append(name)
+        elif len(values) > 1:
+            differ.append(name)
+        elif next(iter(values)).startswith("unpicklable: "):
+            report.unpicklable[name] = next(iter(values))[len("unpicklable: "):]
+        else:
+            same.append(name)
+    report.rank_specific = differ
+    return same, groups
+
+
+def _undo(inc, dead: list[int], started: dict[int, int], exc: BaseException) -> None:
+    """A heal that failed: stop the replacements, tell the survivors again what their groups lack,
+    and stay degraded (or, if that fails too, lost, saying why)."""
+    import contextlib
+    import signal
+
+    for rank, pid in started.items():
+        inc.remove_rank(rank)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # its own group (setsid) is all it is
+    if inc.ended:
+        return
+    with inc.lock:
+        if not inc.life.move("recovering", only_from=("healing",)):
+            return
+    try:
+        degrade_survivors(inc)
+    except Exception as again:  # noqa: BLE001
+        inc.lose(f"the session was stopped: the heal failed ({type(exc).__name__}: {exc}), and then its survivors "
+                 f"could not be brought in step ({type(again).__name__}: {again}); {inc.restart_hint}")
+        return
+    inc.life.move("degraded", only_from=("recovering",))

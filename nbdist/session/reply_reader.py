@@ -1,0 +1,101 @@
+"""An incarnation's reply reader: the one thread that reads every rank's answers, for as long as it lives.
+
+No polling: it blocks until a rank writes or goes away. Whatever one reply does, the reader goes on
+(or ends the incarnation, saying why): a cell never hangs on nbdist's own bug. A rank that the heal
+started joins the ranks it reads when :class:`ReaderWake` is woken (the heal adds its connection).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from multiprocessing.connection import Pipe, wait
+
+from nbdist.session.peers import tell_world_gone
+from nbdist.session.recovery import RELEASE_AFTER_PEER_FAILED_S, release_if_asked
+
+__all__ = ["read_replies", "ReaderWake"]
+
+log = logging.getLogger(__name__)
+
+
+class ReaderWake:
+    """A pipe among the connections the reader waits on: written when the ranks' connections changed."""
+
+    def __init__(self):
+        self.reader, self._writer = Pipe(duplex=False)
+
+    def wake(self) -> None:
+        try:
+            self._writer.send_bytes(b"!")
+        except OSError:  # the incarnation ended and the reader with it
+            pass
+
+    def drain(self) -> None:
+        while self.reader.poll():
+            self.reader.recv_bytes()
+
+
+def read_replies(inc) -> None:
+    """Read ``inc``'s ranks' replies until it ends (or no rank is left to read)."""
+    ranks: dict[int, int] = {}  # id(conn) -> rank
+    live: list = []
+
+    def take_new_ranks() -> None:
+        for rank, conn in list(inc.conns.items()):
+            if id(conn) not in ranks:
+                ranks[id(conn)] = rank
+                live.append(conn)
+
+    take_new_ranks()
+    while live and not inc.ended:
+        for conn in wait(live + [inc.reader_wake.reader]):
+            if conn is inc.reader_wake.reader:
+                inc.reader_wake.drain()
+                take_new_ranks()
+                continue
+            rank = ranks[id(conn)]
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                live.remove(conn)  # that rank exited: the session run's monitor says why
+                inc.rank_run.saw_rank_go(rank)
+                # Its socket closed first: the other nodes hear it now.
+                tell_world_gone(inc, f"was lost (rank {rank} ended)")
+                continue
+            except Exception as exc:  # a message that can't be read: this rank's channel is not to be trusted
+                live.remove(conn)
+                inc.lose(f"the session was stopped: a message from rank {rank} could not be read "
+                         f"({type(exc).__name__}: {exc}); its state is lost; {inc.restart_hint}")
+                continue
+            try:
+                on_reply(inc, rank, message)
+            except Exception as exc:  # nbdist's own bug: never a cell that waits for ever
+                log.exception("nbdist: handling rank %s's reply failed", rank)
+                inc.lose(f"the session was stopped: nbdist failed on rank {rank}'s reply "
+                         f"({type(exc).__name__}: {exc}); its state is lost; {inc.restart_hint}")
+
+
+def on_reply(inc, rank: int, message) -> None:
+    """One message of rank ``rank``: a display, the debugger, or its part of the cell done."""
+    cell = inc.active
+    if cell is None or message[2] != cell.cell_id:
+        return
+    if message[0] == "display":
+        cell.feed_display(rank, message[3], message[4])
+        return
+    if message[0] in ("debug", "debug_resumed"):
+        cell.on_debug_message(rank, message)
+        return
+    _, _, _, kind, body, offsets, watched = message
+    if watched:
+        inc.watched_files.note(rank, watched)
+    last = cell.record_done(rank, kind, body, offsets, inc.pids.get(rank))
+    release_if_asked(inc, cell, rank)
+    if last:
+        inc.settle(cell)
+    elif (kind == "failed" or (kind == "interrupted" and not cell.stop_requested)) and not cell.internal:
+        # Its peers may wait for it in a collective (it raised, or raised KeyboardInterrupt by
+        # itself): release them as the stop button would.
+        threading.Thread(target=inc.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
+                         daemon=True).start()

@@ -1,0 +1,303 @@
+"""A healed rank's namespace, copied from a donor: what every survivor holds alike, and nothing else.
+
+The heal (:mod:`nbdist.session.healing`) asks every survivor for a fingerprint of each of its user
+names (:func:`fingerprint_names`); a name whose fingerprint is the same on all of them is replicated
+state, and is copied; one that differs is rank-specific (a shard, ``rank = dist.get_rank()``), and
+one that only some hold is left out. The donor then pickles every copied name in *one* dump
+(:func:`export_names`): objects shared between names stay shared (an optimizer holds the model's
+parameters, not copies), and the new rank unpickles it (:func:`import_names`):
+
+* functions and classes the cells defined travel by value (cloudpickle) and are bound to the new
+  rank's ``__main__``, so a later cell that rebinds a name is seen by them as on every other rank;
+  imported modules are re-imported by name;
+* DDP models are bound to the new rank's default group by their own unpickling; they are tracked
+  in the donor's order (:mod:`nbdist.worker.model_reset`), as the survivors' are;
+* types whose value is bound to a rank get the new rank's number: ``DistributedSampler``, and the
+  ``DataLoader`` (and batch sampler) holding one. That list is :data:`RANK_BOUND`, in the docs too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import pickle
+import sys
+import types
+
+import cloudpickle
+
+from nbdist.worker.group_replay import group_fingerprint, group_reference, made_group, resolve_group
+
+__all__ = ["fingerprint_names", "export_names", "import_names", "user_names", "replicated_names",
+           "rebuild_ddp_reducers", "RANK_BOUND"]
+
+RANK_BOUND = ("torch.utils.data.DistributedSampler", "torch.utils.data.DataLoader (its sampler)")
+_SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with process groups by name (:mod:`nbdist.worker.group_replay`), and the cells'
+    functions (methods of their classes too) without the globals they read: on the new rank they
+    read its ``__main__`` (cloudpickle would carry a private copy of each global they use, and a
+    model that can't travel, an FSDP2 one, would sink the function with it)."""
+
+    def persistent_id(self, obj):
+        return group_reference(obj)
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.FunctionType) and obj.__module__ == "__main__":
+            closure = tuple(_cell_value(c) for c in obj.__closure__) if obj.__closure__ else None
+            return _main_function, (obj.__code__, obj.__name__, obj.__qualname__, obj.__defaults__,
+                                    obj.__kwdefaults__, closure, obj.__doc__, dict(obj.__dict__))
+        return super().reducer_override(obj)
+
+
+_EMPTY_CELL = "nbdist: an empty closure cell"
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return _EMPTY_CELL
+
+
+def _main_function(code, name, qualname, defaults, kwdefaults, closure, doc, attrs):
+    """A cell's function on the new rank, its globals this rank's ``__main__``."""
+    cells = None if closure is None else tuple(types.CellType() if isinstance(v, str) and v == _EMPTY_CELL
+                                               else types.CellType(v) for v in closure)
+    fn = types.FunctionType(code, sys.modules["__main__"].__dict__, name, defaults, cells)
+    fn.__qualname__, fn.__kwdefaults__, fn.__doc__ = qualname, kwdefaults, doc
+    fn.__dict__.update(attrs)
+    return fn
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        return resolve_group(pid)
+
+
+class _FingerprintPickler(_Pickler):
+    """What a fingerprint hashes: tensors by their content (torch's own pickle of a tensor carries a
+    random serialization id), groups as their place in the rank's calls."""
+
+    def persistent_id(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            digest = hashlib.sha1()
+            _feed(digest, obj)
+            return ("tensor", digest.hexdigest())
+        return group_fingerprint(obj) if group_fingerprint(obj) is not None else None
+
+
+def _dumps(value) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=5).dump(value)
+    return buf.getvalue()
+
+
+def user_names() -> dict:
+    """The names cells made in this rank's ``__main__`` (not nbdist's, not the interpreter's)."""
+    main = sys.modules["__main__"].__dict__
+    return {k: v for k, v in main.items() if not k.startswith("_") and k not in _SKIP}
+
+
+def fingerprint_names() -> dict[str, str]:
+    """``{name: fingerprint}`` of every user name: equal on two ranks when the values are equal
+    (rank-bound types compared without their rank); "unpicklable: <type>" when it can't be judged."""
+    return {name: _fingerprint(value) for name, value in user_names().items()}
+
+
+def _fingerprint(value) -> str:
+    digest = hashlib.sha1()
+    try:
+        if isinstance(value, types.ModuleType):
+            return f"module {value.__name__}"
+        group = group_fingerprint(value)
+        if group is not None:
+            return group
+        if _is_sharded(value):  # FSDP2/DTensor: each rank holds its own shard, by design
+            import os
+
+            return f"sharded: rank {os.environ.get('RANK', '0')}'s shard"
+        if isinstance(value, (types.FunctionType, type)) and value.__module__ == "__main__":
+            _feed_definition(digest, value)  # what the cell defined, not the values it reads
+        else:
+            _feed(digest, value)
+    except Exception as exc:  # noqa: BLE001 - whatever can't be pickled can't be copied either
+        return f"unpicklable: {type(value).__name__} ({type(exc).__name__})"
+    return f"{type(value).__qualname__} {digest.hexdigest()}"
+
+
+def _is_sharded(value) -> bool:
+    """A DTensor, or a module or optimizer over DTensors (FSDP2): rank-specific by design."""
+    tensor_mod = sys.modules.get("torch.distributed.tensor")
+    torch = sys.modules.get("torch")
+    if tensor_mod is None or torch is None or not hasattr(tensor_mod, "DTensor"):
+        return False
+    dtensor = tensor_mod.DTensor
+    if isinstance(value, dtensor):
+        return True
+    if isinstance(value, torch.nn.Module):
+        return any(isinstance(p, dtensor) for p in value.parameters())
+    if isinstance(value, torch.optim.Optimizer):
+        return any(isinstance(p, dtensor) for g in value.param_groups for p in g["params"])
+    return False
+
+
+def _feed(digest, value) -> None:
+    """Feed ``value``'s content into ``digest``: tensors by their bytes, rank-bound types without
+    their rank, anything else by its pickle (cloudpickle, so the cells' functions too)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        t = value.detach()
+        digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
+        digest.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        return
+    if torch is not None and isinstance(value, torch.nn.Module):
+        digest.update(type(value).__qualname__.encode())
+        for key, tensor in value.state_dict().items():
+            digest.update(key.encode())
+            _feed(digest, tensor)
+        return
+    if torch is not None and isinstance(value, torch.optim.Optimizer):
+        state = value.state_dict()
+        for group in state["param_groups"]:
+            digest.update(repr(sorted((k, repr(v)) for k, v in group.items())).encode())
+        for index, per_param in sorted(state["state"].items()):
+            for key, item in sorted(per_param.items()):
+                digest.update(f"{index} {key}".encode())
+                _feed(digest, item) if torch.is_tensor(item) else digest.update(repr(item).encode())
+        return
+    buf = io.BytesIO()
+    _FingerprintPickler(buf, protocol=5).dump(_rank_neutral(value))
+    digest.update(buf.getvalue())
+
+
+def _feed_definition(digest, value) -> None:
+    """A function or class of the cells by its code (names, constants, defaults), recursively."""
+    if isinstance(value, types.FunctionType):
+        _feed_code(digest, value.__code__)
+        digest.update(repr((value.__qualname__, value.__defaults__, value.__kwdefaults__)).encode())
+        return
+    digest.update(f"class {value.__qualname__} {[b.__qualname__ for b in value.__bases__]}".encode())
+    for key, attr in sorted(vars(value).items()):
+        attr = getattr(attr, "__func__", attr)
+        if isinstance(attr, types.FunctionType):
+            digest.update(key.encode())
+            _feed_definition(digest, attr)
+        elif not key.startswith("__"):
+            digest.update(f"{key}={attr!r}".encode())
+
+
+def _feed_code(digest, code) -> None:
+    digest.update(code.co_code + repr((code.co_names, code.co_varnames, code.co_freevars)).encode())
+    for const in code.co_consts:
+        _feed_code(digest, const) if isinstance(const, types.CodeType) else digest.update(repr(const).encode())
+
+
+def _rank_neutral(value):
+    """A copy of a rank-bound value with its rank set to 0 (for comparison only)."""
+    import copy
+
+    sampler = _distributed_sampler(value)
+    if sampler is None:
+        return value
+    saved = sampler.rank
+    try:
+        sampler.rank = 0
+        return copy.deepcopy(value)  # pickled now, while the rank reads 0
+    finally:
+        sampler.rank = saved
+
+
+def _distributed_sampler(value):
+    """The DistributedSampler ``value`` is or holds (a DataLoader's sampler or batch sampler's), or None."""
+    data = sys.modules.get("torch.utils.data")
+    if data is None:
+        return None
+    if isinstance(value, data.DistributedSampler):
+        return value
+    if isinstance(value, data.DataLoader):
+        for sampler in (value.sampler, getattr(value.batch_sampler, "sampler", None)):
+            if isinstance(sampler, data.DistributedSampler):
+                return sampler
+    return None
+
+
+def replicated_names() -> list[str]:
+    """The names whose values nbdist knows are the same on every rank: imported modules, DDP models
+    (their replicas are kept equal by DDP itself) and the optimizers over their parameters. What a
+    heal copies when only one survivor is left to compare with."""
+    import torch
+
+    from nbdist.worker.model_reset import live_ddp_models
+
+    models = {id(m) for m in live_ddp_models()}
+    params = {id(p) for m in live_ddp_models() for p in m.parameters()}
+    out = []
+    for name, value in user_names().items():
+        if isinstance(value, types.ModuleType) or id(value) in models:  # a module is imported by name
+            out.append(name)
+        elif isinstance(value, torch.optim.Optimizer) and all(
+                id(p) in params for group in value.param_groups for p in group["params"]):
+            out.append(name)
+    return out
+
+
+def export_names(names: list[str], groups: dict | None = None) -> dict:
+    """On the donor: every name of ``names`` in one dump. Returns ``{"blob": bytes, "unpicklable":
+    {name: why}, "ddp_order": [name, ...], "groups": groups}``: a name that can't be pickled is left
+    out, and said. ``groups``: names of group handles (``{name: k}``, the k-th group call), which the
+    new rank takes from its own calls instead (torch gives a rank outside a group a stand-in)."""
+    from nbdist.worker.model_reset import live_ddp_models
+
+    main = user_names()
+    values, unpicklable = {}, {}
+    for name in names:
+        if name not in main or name in (groups or {}):
+            continue
+        try:
+            _dumps(main[name])  # alone first: one bad name must not sink the rest
+        except Exception as exc:  # noqa: BLE001
+            unpicklable[name] = f"{type(main[name]).__name__}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        values[name] = main[name]
+    order = {id(m): i for i, m in enumerate(live_ddp_models())}
+    ddp = sorted((n for n, v in values.items() if id(v) in order), key=lambda n: order[id(values[n])])
+    return {"blob": _dumps(values), "unpicklable": unpicklable, "ddp_order": ddp, "groups": dict(groups or {})}
+
+
+def import_names(exported: dict) -> dict:
+    """On the new rank: the donor's names, bound to this rank's ``__main__`` and number. Returns
+    ``{"names": n}``."""
+    import os
+
+    from nbdist.worker.model_reset import track_ddp_model
+
+    values = _Unpickler(io.BytesIO(exported["blob"])).load()  # the cells' functions read __main__
+    for name, index in exported.get("groups", {}).items():  # this rank's own handle of that group
+        values[name] = made_group(index)
+    main = sys.modules["__main__"].__dict__
+    rank = int(os.environ.get("RANK", "0"))
+    for value in values.values():
+        sampler = _distributed_sampler(value)
+        if sampler is not None:
+            sampler.rank = rank
+    main.update(values)
+    for name in exported["ddp_order"]:  # tracked as the survivors' are: their reducers reset alike
+        track_ddp_model(values[name])
+    return {"names": len(values)}
+
+
+def rebuild_ddp_reducers() -> int:
+    """On every rank after the heal's copy: each DDP model's reducer built afresh, as its unpickling
+    built the new rank's. A survivor's reducer keeps the bucket order its first step fixed; a fresh
+    one starts from the parameters' order: two orders in one all-reduce would sum the wrong
+    elements (the sizes match, so nothing would say so)."""
+    from nbdist.worker.model_reset import live_ddp_models
+
+    models = live_ddp_models()
+    for model in models:
+        model.__setstate__(model.__getstate__())  # DDP's own path: the default group, a new reducer
+    return len(models)
