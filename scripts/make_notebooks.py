@@ -345,3 +345,58 @@ write("06_debugging.ipynb", [
     code("%dist_debug"),
     code("%dist_stop"),
 ])
+
+write("07_healing.ipynb", [
+    md("# When a rank dies: the session keeps its state, and `%dist_heal` brings the rank back\n\n"
+       "A session's ranks hold the work of an hour. One of them can still die: the OOM killer, a segfault in an "
+       "extension, `os._exit` in a library. nbdist keeps the survivors with everything they hold, and rebuilds the "
+       "dead rank from its peers."),
+    code("%load_ext nbdist"),
+    code("%dist_start -n 4"),
+    md("A DDP model, Adam, and a `DistributedSampler` with its `DataLoader`: each rank reads its own quarter of "
+       "the data."),
+    code("%%distributed\n"
+         "import os, torch, torch.distributed as dist\n"
+         "from torch.utils.data import DataLoader, DistributedSampler, TensorDataset\n"
+         "torch.manual_seed(0)\n"
+         "model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))\n"
+         "opt = torch.optim.Adam(model.parameters(), lr=0.05)\n"
+         "data = TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(1)), torch.randn(256, 1))\n"
+         "sampler = DistributedSampler(data, shuffle=True, seed=3)\n"
+         "loader = DataLoader(data, batch_size=8, sampler=sampler)\n"
+         "rank = dist.get_rank()\n\n"
+         "def train(steps):\n"
+         "    for _, (x, y) in zip(range(steps), loader):\n"
+         "        opt.zero_grad()\n"
+         "        loss = ((model(x) - y) ** 2).mean()\n"
+         "        loss.backward()\n"
+         "        opt.step()\n"
+         "    return round(loss.item(), 4)\n\n"
+         "train(20)"),
+    md("Rank 2 dies in the middle of training (here it kills itself; the OOM killer would do the same). The cell "
+       "fails with the cause, and the three survivors are freed from the all-reduce they waited in."),
+    raises("%%distributed\nimport signal\nfor step in range(10**6):\n    if step == 5 and rank == 2:\n"
+           "        os.kill(os.getpid(), signal.SIGKILL)\n    train(1)"),
+    md("The session is *degraded*: `%dist_ps` says which rank is gone. A cell that needs every rank is refused in "
+       "one line, before anything runs."),
+    code("%dist_ps"),
+    raises("%%distributed\ntrain(1)"),
+    md("The survivors still hold the model: a cell on them alone can save it first."),
+    code("%%distributed --ranks 0,1,3\nimport io\nbuf = io.BytesIO()\ntorch.save(model.module.state_dict(), buf)\n"
+         "print(f'rank {rank}: {len(buf.getvalue())} bytes saved')"),
+    md("`%dist_heal` starts rank 2 again, joins it to the process group in place, and copies from rank 0 "
+       "every name that all survivors hold alike. `rank` differs between them, so it is listed and not copied."),
+    code("%dist_heal"),
+    code("%%distributed --ranks 2\nrank = dist.get_rank()"),
+    md("A death in the middle of a step can leave the survivors' replicas apart; `%dist_sync` brings every rank "
+       "to rank 0's. Then all four train on, in step, and rank 2's sampler reads its own quarter again."),
+    code("%dist_sync"),
+    code("%%distributed\n"
+         "loss = train(20)\n"
+         "checksum = torch.tensor([sum(p.double().sum().item() for p in model.parameters())])\n"
+         "every = [torch.zeros(1, dtype=torch.float64) for _ in range(4)]\n"
+         "dist.all_gather(every, checksum.double())\n"
+         "print(f'rank {rank}: loss {loss}, replicas equal: {len({t.item() for t in every}) == 1}, '\n"
+         "      f'sampler reads rank {sampler.rank}')"),
+    code("%dist_stop"),
+])

@@ -296,3 +296,30 @@ with nbdist.Session(nprocs=2, backend="nccl") as s:
 
 def test_nvidia_smi_is_there():
     assert shutil.which("nvidia-smi"), "the GPU checks read GPU memory with nvidia-smi"
+
+
+@several
+def test_a_healed_rank_gets_the_donors_cuda_tensors_on_its_own_device(run_script):
+    """Issue 28 on GPUs: rank 1 (cuda:1) dies; the heal copies rank 0's model and tensor, and they
+    arrive on cuda:1, where the new rank's NCCL collectives then run with its peers."""
+    out = _result(_kernel(run_script, """
+import signal
+with nbdist.Session(nprocs=2, backend="nccl") as s:
+    s.wait_ready(180)
+    s.execute('''
+import torch, torch.distributed as dist
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 1).cuda())
+w = torch.arange(8., device="cuda")
+''')
+    os.kill(s.pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while s.status != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("HEALED", s.heal())
+    print("DEVICES", s.execute("(str(w.device), str(next(model.parameters()).device), model.device_ids)"))
+    print("SUM", s.execute("t = w.clone()\\ndist.all_reduce(t)\\nmodel(torch.ones(4, 64, device='cuda')).sum().backward()\\n"
+                           "t.sum().item()"))
+"""), timeout=400)
+    assert "DEVICES {0: ('cuda:0', 'cuda:0', [0]), 1: ('cuda:1', 'cuda:1', [1])}" in out, out
+    assert "SUM {0: 56.0, 1: 56.0}" in out, out

@@ -118,6 +118,11 @@ def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(en
         assert "rank 1 failed first" in str(info.value) and s.status == "broken", str(info.value)
         if engine["launcher"] == "torchrun":
             assert "killed by SIGSEGV" in str(info.value), str(info.value)
+        # The heal can't add one process to the engine's world: one line, and the way on.
+        with pytest.raises(RuntimeError, match=f"nbdist can't heal ranks that {engine['launcher']} started: .*"
+                                               f"restart\\(\\) brings new ranks$") as info:
+            s.heal()
+        assert "\n" not in str(info.value)
     wait_for(lambda: not marked_pids(sid), 15, what=f"the {engine['launcher']} session's tree to go")
 
 

@@ -62,7 +62,7 @@ def test_quickstart_notebook(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode", "05_sessions",
-                                  "06_debugging"])
+                                  "06_debugging", "07_healing"])
 def test_doc_notebooks_run(name, tmp_path):
     nb = execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                           timeout=300, cwd=str(tmp_path))
@@ -95,6 +95,13 @@ def test_doc_notebooks_run(name, tmp_path):
         assert "this cell has no stdin" in text and "went on 1 10" in text, "headless: the breakpoint goes on"
         assert "ValueError: bad factor -1" in text and "%dist_debug needs a stdin" in text
         assert "stopped (2 ranks)" in text
+    elif name == "07_healing":
+        assert "rank 2 failed first: killed by SIGKILL" in text and "keep their state" in text, text
+        assert "rank 2 was killed by SIGKILL" in text and "this cell needs it" in text, "%dist_ps, the refused cell"
+        assert "rank 3:" in text and "bytes saved" in text
+        assert "healed rank 2 from rank 0" in text and "rank-specific, not copied" in text, text
+        for r in range(4):
+            assert f"rank {r}: loss" in text and f"replicas equal: True, sampler reads rank {r}" in text, text
     else:
         assert "world of 4" in text and "world of 2" in text
         assert "{0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}" in text, "launcher='mpirun'"

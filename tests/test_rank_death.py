@@ -91,7 +91,10 @@ def test_a_rank_killed_while_idle_leaves_a_degraded_session_whose_survivors_keep
     res = kernel.run("%%distributed --view text --ranks 0,1,3\nimport io\nbuf = io.BytesIO()\n"
                      "torch.save(model.module.state_dict(), buf)\nlen(buf.getvalue()) > 0")
     assert res.status == "ok" and res.result == "True", res.error_text
-    # %dist_ps, the session's repr: which rank is gone.
+    # The cell's view (the default one), %dist_ps, the session's repr: which rank is gone.
+    res = kernel.run("%%distributed --view widget --ranks 0,1,3\nprint('on the survivors')")
+    assert res.status == "ok" and any("rank 2 gone (%dist_heal)" in str(v) for v in res.widget_values.values()), \
+        res.widget_values
     assert "rank 2 was killed by SIGKILL" in kernel.run("%dist_ps").stdout
     assert "degraded" in kernel.run(_session(kernel) + "repr(_s)").result
     assert dead not in marked_pids(sid)

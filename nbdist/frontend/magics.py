@@ -224,7 +224,7 @@ class DistributedMagics(Magics):
     @argument("--check-collectives", action="store_true",
               help="every cell: the ranks compare each collective (op, shapes, dtypes) before they issue it")
     @argument("--heal", choices=("auto", "off"), default="off",
-              help="auto: a rank that dies is brought back from its peers at once (else %%dist_heal does it)")
+              help="auto: a rank that dies is brought back from its peers at once (off: the heal waits to be asked)")
     @line_magic
     def dist_start(self, line):
         """Start the notebook's session: ranks that live across cells; ``%%distributed`` cells then run in it.

@@ -102,6 +102,9 @@ class CellHandle(EventSource):
         self.run_dir = cell_dir
         self.log_dir = incarnation.run_dir  # each rank's log is one file for the whole session
         self.label = f"session {incarnation.session_id} · cell {cell_id}"
+        if incarnation.gone and not internal:  # a degraded session's view says which ranks it lacks
+            heal = "%dist_heal" if incarnation.heal_hint.startswith("%") else "heal()"
+            self.label += f" · {format_rank_set(sorted(incarnation.gone))} gone ({heal})"
         self.quiet_when_finished = True
         self.nprocs = len(self.targets)
         self.ranks = {r: RankStatus(r, "running", pid=incarnation.pids.get(r)) for r in self.targets}  # as Run.ranks

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field
 from nbdist.errors import format_rank_set
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import read_session_key
+from nbdist.protocol.shared_values import dump_shared
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.rank_deaths import degrade_survivors, tell_untold_deaths
-from nbdist.session.recovery import call_on_ranks
+from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["heal", "HealReport", "HEAL_CONNECT_S"]
 
@@ -177,26 +178,37 @@ def _reform_with_replacements(inc, generation: int, hellos: dict, dead: list[int
 
 
 def _copy_namespace(inc, report: HealReport, survivors: list[int]) -> None:
-    """Copy what every survivor holds alike from the donor; list the rest; compare the replicas."""
-    from nbdist.session.replica_check import describe_drift
+    """Copy what every survivor holds alike from the donor; list the rest; say whether the replicas
+    are in step (the survivors' fingerprints tell: the new rank's copy is the donor's)."""
     from nbdist.worker import namespace_copy
-    from nbdist.worker.session_loop import count_collectives
 
     prints = call_on_ranks(inc, namespace_copy.fingerprint_names, ranks=survivors)
+    known = call_on_ranks(inc, namespace_copy.replicated_names, ranks=[report.donor])[report.donor]
     names, groups = _judge(prints, report)
     if len(survivors) == 1:  # nothing to compare: only what nbdist knows is replicated
-        known = call_on_ranks(inc, namespace_copy.replicated_names, ranks=survivors)[survivors[0]]
         report.not_judged = sorted(set(names) - set(known))
         names = [n for n in names if n in known]
+    # DDP models and their optimizers are copied even where the survivors differ: a death in the
+    # middle of a step leaves them apart, and %dist_sync is the way back, not a model left out.
+    apart = sorted(n for n in report.rank_specific if n in known)
+    report.rank_specific = [n for n in report.rank_specific if n not in known]
+    names = sorted(set(names) | set(apart))
     exported = call_on_ranks(inc, namespace_copy.export_names, names, groups,
                              ranks=[report.donor])[report.donor]
     report.unpicklable.update(exported["unpicklable"])
-    call_on_ranks(inc, namespace_copy.import_names, exported, ranks=report.healed)
+    # The tensors' bytes: mapped here from the donor's memfds, written once into the kernel's own
+    # for the new ranks to map (pickle-5 buffers; nothing goes through a file or a socket).
+    shared = dump_shared(exported, "the heal's copy of the donor's names", local=True)
+    try:
+        call_on_ranks(inc, namespace_copy.import_shared_names, shared, ranks=report.healed)
+    finally:
+        shared.close()
     call_on_ranks(inc, namespace_copy.rebuild_ddp_reducers)  # every rank alike: one bucket order
     report.copied = sorted(set(names) - set(report.unpicklable))
-    answers = {r: a for r, a in call_on_ranks(inc, count_collectives).items() if a is not None}
-    if answers:  # the DDP replicas, as after a stop (the optimizers' step counts are per cell: not here)
-        report.replicas = describe_drift({r: a[3] for r, a in answers.items()}, {}, [])
+    if apart:
+        report.replicas = (f"the survivors' replicas of {', '.join(apart)} differ (a death in the middle of a step): "
+                           f"the new {'rank has' if len(report.healed) == 1 else 'ranks have'} rank {report.donor}'s; "
+                           f"%dist_sync re-syncs every rank from one (--from R; Session.sync() in code)")
 
 
 def _judge(prints: dict[int, dict], report: HealReport) -> tuple[list[str], dict[str, int]]:

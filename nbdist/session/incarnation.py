@@ -47,7 +47,9 @@ from nbdist.session.reply_reader import ReaderWake, read_replies
 from nbdist.session.rank_deaths import describe_gone, note_rank_death, refuse_for_gone, tell_untold_deaths
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.watched_files import WatchedFiles
-from nbdist.session.recovery import CHECK_TIMEOUT_S, RELEASE_AFTER_S, catch_up, interrupt_ranks, recover, stop_cell
+from nbdist.session.internal_calls import CHECK_TIMEOUT_S
+from nbdist.session.recovery import (RELEASE_AFTER_PEER_FAILED_S, RELEASE_AFTER_S, catch_up, interrupt_ranks, recover,
+                                     stop_cell)
 
 __all__ = ["Incarnation", "default_start_timeout"]
 
@@ -261,7 +263,7 @@ class Incarnation:
         self.launched.wait(60)
         if self.rank_run is None:  # it never started
             return
-        if was in ("idle", "busy"):
+        if was in ("idle", "busy", "degraded"):  # they leave their loop: their atexit handlers run
             for conn in list(self.conns.values()):
                 with contextlib.suppress(OSError), self.send_lock:
                     conn.send(("close",))
@@ -316,6 +318,7 @@ class Incarnation:
         if self.status == "starting":
             raise SessionLostError(f"the session's ranks did not come up within {self.start_timeout:g} s")
         self.in_step.wait(CHECK_TIMEOUT_S + 10)  # and one sent while it re-forms with other nodes
+        self._wait_for_heal()
         targets = self._targets(ranks)
         if self.status == "busy":
             raise RuntimeError(f"cell {self.active.cell_id} is still running in this session; "
@@ -323,6 +326,14 @@ class Incarnation:
         if self.ended:
             self.wait_ready(0)  # says why
         return targets
+
+    def _wait_for_heal(self) -> None:
+        """A cell sent while the session heals waits for the heal (which has deadlines of its own)."""
+        from nbdist.session.healing import HEAL_CONNECT_S
+
+        deadline = time.monotonic() + 2 * HEAL_CONNECT_S + 60
+        while self.life.state == "healing" and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _targets(self, ranks) -> list[int]:
         """The ranks a cell for ``ranks`` runs on; a dead one is refused in one line (RankGoneError)."""
@@ -392,6 +403,11 @@ class Incarnation:
         if cell.incarnation is not self or self.ended:
             return
         stop_cell(self, cell, release_after)
+
+    def release_peers_of(self, cell: CellHandle) -> None:
+        """A rank of ``cell`` raised or died: its peers may wait for it in a collective. On a thread:
+        stop them as the stop button would, sooner (the error must show within about 2 s)."""
+        threading.Thread(target=self.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S), daemon=True).start()
 
     def dump_stacks(self, ranks) -> str:
         """Each stuck rank's stack into its log (as a timeout does); where the first one stood."""

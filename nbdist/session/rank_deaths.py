@@ -26,12 +26,13 @@ import time
 from dataclasses import dataclass
 
 from nbdist.errors import RankFailure, RankGoneError, format_rank_set
-from nbdist.session.recovery import MAX_DEATHS_WHILE_RECOVERING, RELEASE_AFTER_PEER_FAILED_S, call_on_ranks
+from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["RankGone", "note_rank_death", "degrade_survivors", "refuse_for_gone", "describe_gone",
-           "heal_at_once", "tell_untold_deaths", "LAST_LINES"]
+           "heal_at_once", "tell_untold_deaths", "LAST_LINES", "MAX_DEATHS_WHILE_RECOVERING"]
 
 log = logging.getLogger(__name__)
+MAX_DEATHS_WHILE_RECOVERING = 4  # each one starts the recovery over on the survivors; then it gives up
 # Survivors re-form their whole groups in well under a second; a member that dies meanwhile leaves
 # the others in gloo's connect until this, then the session degrades again without it.
 DEGRADE_CONNECT_S = 10.0
@@ -105,9 +106,7 @@ def note_rank_death(inc, rank: int, status) -> None:
             inc.settle(cell)  # the dead rank was the last to answer (an internal call: it fails, and
             # the recovery starts over on the survivors)
         elif recorded is False and not cell.internal:
-            # Its peers may wait for it in a collective: free them, as for a rank that raised.
-            threading.Thread(target=inc.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
-                             daemon=True).start()
+            inc.release_peers_of(cell)  # they may wait for it in a collective: as for a rank that raised
         return  # a cell without it goes on; its end degrades the groups (Incarnation.settle)
     if state in ("idle", "degraded"):
         threading.Thread(target=degrade_when_idle, args=(inc,), name="nbdist-rank-death", daemon=True).start()

@@ -21,12 +21,14 @@ from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import CUT_REQUEST, STOP_REQUEST
 from nbdist.protocol.signals import CUT_SIGNAL
 from nbdist.session.agreed_stop import agree_stop_point
+from nbdist.session.internal_calls import CHECK_TIMEOUT_S, call_on_ranks
 from nbdist.session.collectives import ask_open_collectives, describe_open_collectives
 from nbdist.session.peers import announce_stop
+from nbdist.session.rank_deaths import MAX_DEATHS_WHILE_RECOVERING, degrade_survivors, heal_at_once
 from nbdist.session.replica_check import describe_drift
 from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
 
-__all__ = ["stop_cell", "interrupt_ranks", "release_if_asked", "recover", "call_on_ranks", "bring_in_step", "RELEASE_AFTER_S",
+__all__ = ["stop_cell", "interrupt_ranks", "release_if_asked", "recover", "bring_in_step", "RELEASE_AFTER_S",
            "RELEASE_AFTER_PEER_FAILED_S", "STUCK_AFTER_S", "catch_up"]
 
 # A rank in Python answers SIGINT within milliseconds; one still busy after this waits in C code,
@@ -34,9 +36,7 @@ __all__ = ["stop_cell", "interrupt_ranks", "release_if_asked", "recover", "call_
 RELEASE_AFTER_S = 0.5
 # After a peer raised, its peers are released sooner: the error must show within about 2 s.
 RELEASE_AFTER_PEER_FAILED_S = 0.3
-MAX_DEATHS_WHILE_RECOVERING = 4  # each one starts the recovery over on the survivors; then it gives up
 STUCK_AFTER_S = 3.0  # a rank still busy this long after the release is stuck for good (C code)
-CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for every rank to connect
 
 
 def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
@@ -143,38 +143,10 @@ def recover(inc, cell) -> None:
         cell.lose(SessionLostError(inc.lost_reason))
         return
     if inc.gone and inc.heal_mode == "auto":  # Session(heal="auto"): this cell says how the heal went
-        from nbdist.session.rank_deaths import heal_at_once
-
         with inc.lock:
             inc.life.move("degraded", only_from=("recovering",))
         cell.note = f"{cell.note}; {heal_at_once(inc)}" if cell.note else heal_at_once(inc)
     inc.become_idle(cell)
-
-
-def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None) -> dict:
-    """Run nbdist's own ``fn(*args)`` on every rank (or ``ranks``) of a session that is bringing its
-    ranks in step, or healing.
-
-    Returns ``{rank: value}``; a rank that doesn't answer within ``timeout`` is dumped and the
-    session is stopped (SessionLostError); a rank that raised raises its WorkerFailedError.
-    """
-    gone = sorted(set(ranks or ()) - set(inc.conns))
-    if gone:  # died since the caller chose them (the heal's donor, say)
-        raise RuntimeError(f"{format_rank_set(gone)} died meanwhile")
-    cell_dir = inc.new_cell_dir()
-    payload, _ = rundir.pack_payload(fn, args, {})
-    handle = inc.start_cell(cell_dir, sorted(inc.pids) if ranks is None else list(ranks), payload, None,
-                            internal=True)
-    if not handle.answered.wait(timeout):
-        stuck = handle.busy_ranks()
-        where = inc.dump_stacks(stuck) if stuck else ""
-        inc.lose(f"the session was stopped: {format_rank_set(stuck)} did not answer within {timeout:g} s "
-                 f"while the session brought its ranks back in step{where}; the state is lost; {inc.restart_hint}")
-        raise SessionLostError(inc.lost_reason)
-    handle._done.wait(timeout)
-    if handle.error is not None:
-        raise handle.error
-    return handle.results
 
 
 def _why(inc, cell, counts: dict) -> str:
@@ -204,8 +176,6 @@ def bring_in_step(inc, cell) -> str | None:
     SessionLostError when the groups are out of step and can't be re-formed.
     """
     if inc.gone:  # the survivors of a death: their groups lack the dead ranks until the heal
-        from nbdist.session.rank_deaths import degrade_survivors
-
         return degrade_survivors(inc)
     across = inc.world is not None
     if across:  # every abnormal cell re-forms the world's groups, on every kernel (nbdist.session.peers)

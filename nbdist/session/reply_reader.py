@@ -8,11 +8,10 @@ started joins the ranks it reads when :class:`ReaderWake` is woken (the heal add
 from __future__ import annotations
 
 import logging
-import threading
 from multiprocessing.connection import Pipe, wait
 
 from nbdist.session.peers import tell_world_gone
-from nbdist.session.recovery import RELEASE_AFTER_PEER_FAILED_S, release_if_asked
+from nbdist.session.recovery import release_if_asked
 
 __all__ = ["read_replies", "ReaderWake"]
 
@@ -97,5 +96,4 @@ def on_reply(inc, rank: int, message) -> None:
     elif (kind == "failed" or (kind == "interrupted" and not cell.stop_requested)) and not cell.internal:
         # Its peers may wait for it in a collective (it raised, or raised KeyboardInterrupt by
         # itself): release them as the stop button would.
-        threading.Thread(target=inc.interrupt_cell, args=(cell, RELEASE_AFTER_PEER_FAILED_S),
-                         daemon=True).start()
+        inc.release_peers_of(cell)

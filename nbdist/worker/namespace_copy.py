@@ -23,13 +23,16 @@ import io
 import pickle
 import sys
 import types
+import zlib
 
 import cloudpickle
 
+from nbdist.protocol.shared_values import IN_BAND_UNDER, load_shared
+from nbdist.worker import optimizer_steps
 from nbdist.worker.group_replay import group_fingerprint, group_reference, made_group, resolve_group
 
-__all__ = ["fingerprint_names", "export_names", "import_names", "user_names", "replicated_names",
-           "rebuild_ddp_reducers", "RANK_BOUND"]
+__all__ = ["fingerprint_names", "export_names", "import_names", "import_shared_names", "user_names",
+           "replicated_names", "rebuild_ddp_reducers", "RANK_BOUND"]
 
 RANK_BOUND = ("torch.utils.data.DistributedSampler", "torch.utils.data.DataLoader (its sampler)")
 _SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
@@ -45,6 +48,17 @@ class _Pickler(cloudpickle.Pickler):
         return group_reference(obj)
 
     def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.is_cuda:
+            # torch's own pickle puts it back on the donor's device index: the new rank has its own.
+            return _on_own_device, (obj.detach().cpu(), isinstance(obj, torch.nn.Parameter), obj.requires_grad)
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" \
+                and obj.layout == torch.strided and not obj.is_quantized:
+            # Its bytes as one pickle-5 buffer: out of band, they reach the new rank through shared
+            # memory at memcpy speed (torch's own pickle zips each storage through torch.save).
+            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return _tensor_from, (pickle.PickleBuffer(raw), str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+                                  isinstance(obj, torch.nn.Parameter), obj.requires_grad)
         if isinstance(obj, types.FunctionType) and obj.__module__ == "__main__":
             closure = tuple(_cell_value(c) for c in obj.__closure__) if obj.__closure__ else None
             return _main_function, (obj.__code__, obj.__name__, obj.__qualname__, obj.__defaults__,
@@ -60,6 +74,29 @@ def _cell_value(cell):
         return cell.cell_contents
     except ValueError:  # a cell not yet assigned
         return _EMPTY_CELL
+
+
+def _tensor_from(buffer, dtype: str, shape: tuple, parameter: bool, requires_grad: bool):
+    """A tensor over ``buffer`` (mapped copy-on-write from the kernel's shared memory: no copy here)."""
+    import torch
+
+    empty = memoryview(buffer).nbytes == 0  # torch.frombuffer refuses an empty buffer
+    tensor = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(buffer, dtype=torch.uint8)
+    tensor = tensor.view(getattr(torch, dtype)).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _on_own_device(tensor, parameter: bool, requires_grad: bool):
+    """A donor's CUDA tensor on this rank's own device (the one its bootstrap bound)."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else tensor.device
+    tensor = tensor.to(device)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
 def _main_function(code, name, qualname, defaults, kwdefaults, closure, doc, attrs):
@@ -90,10 +127,22 @@ class _FingerprintPickler(_Pickler):
         return group_fingerprint(obj) if group_fingerprint(obj) is not None else None
 
 
-def _dumps(value) -> bytes:
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=5).dump(value)
-    return buf.getvalue()
+def _dumps(value, buffers: list | None = None) -> bytes:
+    """``value``'s pickle; its big buffers (tensors' bytes) appended to ``buffers`` out of band, or
+    left out altogether with ``buffers=None`` (a check that it pickles, which copies nothing)."""
+    import numpy as np
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if raw.nbytes < IN_BAND_UNDER:
+            return True  # truthy: in the pickle itself
+        if buffers is not None:
+            buffers.append(np.frombuffer(raw, dtype=np.uint8))  # a view: the copy is dump_shared's, once
+        return False
+
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=out_of_band).dump(value)
+    return out.getvalue()
 
 
 def user_names() -> dict:
@@ -152,7 +201,10 @@ def _feed(digest, value) -> None:
     if torch is not None and isinstance(value, torch.Tensor):
         t = value.detach()
         digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
-        digest.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        # CRC-32 over the bytes in place: no copy, and twice SHA-1's speed; what it tells apart is the
+        # same value on two ranks from a different one, not an adversary's collision.
+        raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        digest.update(zlib.crc32(raw).to_bytes(4, "little"))
         return
     if torch is not None and isinstance(value, torch.nn.Module):
         digest.update(type(value).__qualname__.encode())
@@ -253,19 +305,36 @@ def export_names(names: list[str], groups: dict | None = None) -> dict:
     from nbdist.worker.model_reset import live_ddp_models
 
     main = user_names()
-    values, unpicklable = {}, {}
-    for name in names:
-        if name not in main or name in (groups or {}):
-            continue
-        try:
-            _dumps(main[name])  # alone first: one bad name must not sink the rest
-        except Exception as exc:  # noqa: BLE001
-            unpicklable[name] = f"{type(main[name]).__name__}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            continue
-        values[name] = main[name]
+    values = {n: main[n] for n in names if n in main and n not in (groups or {})}
+    unpicklable: dict[str, str] = {}
+    buffers: list = []
+    try:
+        blob = _dumps(values, buffers)
+    except Exception:  # noqa: BLE001 - one bad name must not sink the rest: find it, leave it out
+        for name in list(values):
+            try:
+                _dumps(values[name])  # copies no tensor bytes: a check only
+            except Exception as exc:  # noqa: BLE001
+                why = str(exc).splitlines()[0][:120] if str(exc) else ""
+                unpicklable[name] = f"{type(values.pop(name)).__name__}: {type(exc).__name__}: {why}"
+        buffers = []
+        blob = _dumps(values, buffers)
     order = {id(m): i for i, m in enumerate(live_ddp_models())}
     ddp = sorted((n for n, v in values.items() if id(v) in order), key=lambda n: order[id(values[n])])
-    return {"blob": _dumps(values), "unpicklable": unpicklable, "ddp_order": ddp, "groups": dict(groups or {})}
+    steps = optimizer_steps.numbering({n: v for n, v in values.items() if _is_optimizer(v)})
+    return {"blob": blob, "buffers": buffers, "unpicklable": unpicklable, "ddp_order": ddp,
+            "groups": dict(groups or {}), "optimizer_numbers": steps}
+
+
+def _is_optimizer(value) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.optim.Optimizer)
+
+
+def import_shared_names(shared) -> dict:
+    """On the new rank: :func:`import_names` of what the kernel shared (the donor's export, its
+    tensors' bytes mapped from the kernel's shared memory)."""
+    return import_names(load_shared(shared))
 
 
 def import_names(exported: dict) -> dict:
@@ -275,7 +344,8 @@ def import_names(exported: dict) -> dict:
 
     from nbdist.worker.model_reset import track_ddp_model
 
-    values = _Unpickler(io.BytesIO(exported["blob"])).load()  # the cells' functions read __main__
+    # The cells' functions read __main__; the tensors' bytes are the shared buffers, in order.
+    values = _Unpickler(io.BytesIO(exported["blob"]), buffers=exported["buffers"]).load()
     for name, index in exported.get("groups", {}).items():  # this rank's own handle of that group
         values[name] = made_group(index)
     main = sys.modules["__main__"].__dict__
@@ -285,9 +355,21 @@ def import_names(exported: dict) -> dict:
         if sampler is not None:
             sampler.rank = rank
     main.update(values)
+    # Numbered as on the donor: a stop compares each optimizer's steps by its number on every rank.
+    optimizer_steps.adopt_numbering(values, *exported["optimizer_numbers"])
     for name in exported["ddp_order"]:  # tracked as the survivors' are: their reducers reset alike
+        _own_device_ids(values[name])
         track_ddp_model(values[name])
     return {"names": len(values)}
+
+
+def _own_device_ids(model) -> None:
+    """A DDP model copied from a donor on a GPU names the donor's device: this rank's instead."""
+    import torch
+
+    if getattr(model, "device_ids", None) and torch.cuda.is_available():
+        here = torch.cuda.current_device()
+        model.device_ids, model.output_device = [here], here
 
 
 def rebuild_ddp_reducers() -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 
-__all__ = ["track_optimizer_steps", "begin_user_cell", "steps_this_cell"]
+__all__ = ["track_optimizer_steps", "begin_user_cell", "steps_this_cell", "numbering", "adopt_numbering"]
 
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Count
 _FIRST: list = [0]  # how many optimizers stepped so far: the next one's number
@@ -52,6 +52,20 @@ def _after_step(optimizer, args, kwargs) -> None:
     count = _count_of(optimizer)
     count.steps += 1
     count.inside = False
+
+
+def numbering(optimizers: dict) -> tuple[dict, int]:
+    """On a heal's donor: ``({name: number}, numbers given so far)`` of the ``{name: optimizer}`` it
+    gives, so the new rank numbers them (and the next one) as every rank does."""
+    return {name: _STEPS[opt].number for name, opt in optimizers.items() if opt in _STEPS}, _FIRST[0]
+
+
+def adopt_numbering(optimizers: dict, numbers: dict, given: int) -> None:
+    """On the new rank: the donor's numbers for the optimizers it copied (see :func:`numbering`)."""
+    for name, number in numbers.items():
+        if name in optimizers:
+            _STEPS[optimizers[name]] = _Count(number)
+    _FIRST[0] = max(_FIRST[0], given)
 
 
 def begin_user_cell() -> None:
