@@ -11,28 +11,12 @@ import time
 
 import pytest
 from conftest import marked_pids, nbdist_kernel, wait_for
+from ddp_session_cells import USER_NAMES, session_value, setup_cell
 
 pytestmark = pytest.mark.timeout(400)
 
-SETUP = """%%distributed --view text
-import os, torch, torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-opt = torch.optim.Adam(model.parameters(), lr=0.01)
-data = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)), torch.randn(64, 1))
-sampler = DistributedSampler(data, shuffle=True, seed=3)
-loader = DataLoader(data, batch_size=4, sampler=sampler)
-rank = dist.get_rank()
-pair = dist.new_group([0, 2])
+SETUP = setup_cell("""pair = dist.new_group([0, 2])
 pending = (i for i in range(3))
-def train(steps):
-    for i, (x, y) in zip(range(steps), loader):
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-    return loss.item()
 def in_step():
     # parameters, and Adam's state, as bytes: equal on every rank or not
     import hashlib
@@ -43,16 +27,9 @@ def in_step():
         for v in s.values():
             h.update(v.detach().numpy().tobytes())
     return h.hexdigest()
-train(3)
-"""
-SURVIVOR = ("sorted(k for k in globals() if not k.startswith('_') and k not in ('In', 'Out', 'exit', 'quit', "
-            "'get_ipython')), in_step(), rank")
-
-
-def _s(kernel, expr: str) -> str:
-    res = kernel.run("from nbdist.frontend.session_magics import live_session as _ls\n_s = _ls()\n" + expr)
-    assert res.status == "ok", res.error_text
-    return res.result
+""")
+SURVIVOR = f"{USER_NAMES}, in_step(), rank"
+_s = session_value
 
 
 def _wait_status(kernel, status: str, timeout: float = 30) -> None:

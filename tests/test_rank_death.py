@@ -12,50 +12,22 @@ import time
 
 import pytest
 from conftest import marked_pids, nbdist_kernel, wait_for
+from ddp_session_cells import USER_NAMES, session_value, setup_cell
 
 pytestmark = pytest.mark.timeout(300)
 
-SETUP = """%%distributed --view text
-import os, torch, torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
-opt = torch.optim.Adam(model.parameters(), lr=0.01)
-data = TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(1)), torch.randn(64, 1))
-sampler = DistributedSampler(data, shuffle=True, seed=3)
-loader = DataLoader(data, batch_size=4, sampler=sampler)
-rank = dist.get_rank()
-def train(steps):
-    for i, (x, y) in zip(range(steps), loader):
-        opt.zero_grad()
-        loss = ((model(x) - y) ** 2).mean()
-        loss.backward()
-        opt.step()
-    return loss.item()
-train(3)
-"""
+SETUP = setup_cell()
 # What each survivor holds: every user name, and the values that must not change under a death.
-STATE = ("sorted(k for k in globals() if not k.startswith('_') and k not in ('In', 'Out', 'exit', 'quit', "
-         "'get_ipython')), round(sum(p.sum().item() for p in model.parameters()), 6), "
+STATE = (f"{USER_NAMES}, round(sum(p.sum().item() for p in model.parameters()), 6), "
          "sum(int(s['step']) for s in opt.state.values()), rank, len(sampler)")
 
 
-def _session(kernel):
-    return "from nbdist.frontend.session_magics import live_session as _ls\n_s = _ls()\n"
-
-
-def _state(kernel, ranks: str) -> str:
-    res = kernel.run(f"%%distributed --view text --ranks {ranks}\n{STATE}")
-    assert res.status == "ok", res.error_text + res.stdout
-    return res.stdout
-
-
 def _pid(kernel, rank: int) -> int:
-    return int(kernel.run(_session(kernel) + f"_s.pids[{rank}]").result)
+    return int(session_value(kernel, f"_s.pids[{rank}]"))
 
 
 def _status(kernel) -> str:
-    return kernel.run(_session(kernel) + "_s.status").result.strip("'")
+    return session_value(kernel, "_s.status").strip("'")
 
 
 @pytest.fixture
@@ -69,7 +41,7 @@ def test_a_rank_killed_while_idle_leaves_a_degraded_session_whose_survivors_keep
     res = kernel.run(SETUP)
     assert res.status == "ok", res.error_text + res.stdout
     before = {r: kernel.run(f"%%distributed --view text --ranks {r}\n{STATE}").result for r in (0, 1, 3)}
-    sid = kernel.run(_session(kernel) + "_s.session_id").result.strip("'")
+    sid = session_value(kernel, "_s.session_id").strip("'")
     dead = _pid(kernel, 2)
     os.kill(dead, signal.SIGKILL)
     wait_for(lambda: _status(kernel) == "degraded", 20, what="the session to be degraded")
@@ -96,7 +68,7 @@ def test_a_rank_killed_while_idle_leaves_a_degraded_session_whose_survivors_keep
     assert res.status == "ok" and any("rank 2 gone (%dist_heal)" in str(v) for v in res.widget_values.values()), \
         res.widget_values
     assert "rank 2 was killed by SIGKILL" in kernel.run("%dist_ps").stdout
-    assert "degraded" in kernel.run(_session(kernel) + "repr(_s)").result
+    assert "degraded" in session_value(kernel, "repr(_s)")
     assert dead not in marked_pids(sid)
     kernel.run("%dist_stop")
     wait_for(lambda: not marked_pids(sid), 5, what="the session's ranks to go")

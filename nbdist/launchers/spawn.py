@@ -223,23 +223,20 @@ class SpawnLauncher(Launcher):
         before the rank is reaped, while its pid, the group's id, is still reserved (the template
         does this itself for the ranks it forked).
         """
-        out, recorded = {}, None
+        recorded = None
         for rank, owner in list(self._owner.items()):
-            if rank in known:
+            if rank in known or isinstance(owner, _ForkedRanks) or self._codes.get(rank) is not None:
                 continue
-            if not isinstance(owner, _ForkedRanks) and self._codes.get(rank) is None:
-                pid = self._pids[rank]
-                if not _exited_unreaped(pid):
-                    continue
-                if recorded is None:
-                    recorded = set(read_pids(run_dir).values())
-                if pid in recorded:  # it reached setsid: it leads its own group
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(pid, signal.SIGKILL)
-            code = self.poll()[rank]
-            if code is not None:
-                out[rank] = code
-        return out
+            pid = self._pids[rank]
+            if not _exited_unreaped(pid):
+                continue
+            if recorded is None:
+                recorded = set(read_pids(run_dir).values())
+            if pid in recorded:  # it reached setsid: it leads its own group
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        # One poll for every rank (this runs on each tick of the monitor): it reaps what exited.
+        return {r: c for r, c in self.poll().items() if r not in known and c is not None}
 
     def leaders(self) -> list[int]:
         """What a stop signals first: every rank's group."""

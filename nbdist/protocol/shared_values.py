@@ -25,7 +25,8 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 
-__all__ = ["SharedValue", "dump_shared", "load_shared", "write_value_file", "read_value_file", "IN_BAND_UNDER"]
+__all__ = ["SharedValue", "dump_shared", "load_shared", "write_value_file", "read_value_file", "IN_BAND_UNDER",
+           "tensor_buffer", "rebuild_tensor"]
 
 IN_BAND_UNDER = 1 << 16  # buffers smaller than this travel in the pickle itself
 
@@ -57,24 +58,31 @@ class SharedValue:
         return sum(self.sizes)
 
 
-def _tensor_buffer(obj):
-    """``(rebuild, args)`` that give a CPU tensor's bytes to pickle 5 as one buffer, or None."""
+def tensor_buffer(obj):
+    """``(rebuild, args)`` that give a CPU tensor's (or parameter's) bytes to pickle 5 as one buffer,
+    or None (small, or not a plain strided CPU tensor: its own pickle then). The same for values
+    pushed to ranks and for a heal's copy (:mod:`nbdist.worker.namespace_copy`)."""
     torch = sys.modules.get("torch")
-    if torch is None or not isinstance(obj, torch.Tensor) or type(obj) is not torch.Tensor:
+    if torch is None or type(obj) not in (torch.Tensor, torch.nn.Parameter):
         return None
-    if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized or obj.requires_grad:
+    if obj.device.type != "cpu" or obj.layout != torch.strided or obj.is_quantized:
         return None
     if obj.numel() * obj.element_size() < IN_BAND_UNDER:
         return None
     flat = obj.detach().contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy()
-    return _rebuild_tensor, (pickle.PickleBuffer(raw), str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
+    return rebuild_tensor, (pickle.PickleBuffer(raw), str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
+                            isinstance(obj, torch.nn.Parameter), obj.requires_grad)
 
 
-def _rebuild_tensor(buffer, dtype: str, shape: tuple):
+def rebuild_tensor(buffer, dtype: str, shape: tuple, parameter: bool = False, requires_grad: bool = False):
+    """A tensor over ``buffer`` (mapped copy-on-write: no copy here), as :func:`tensor_buffer` gave it."""
     import torch
 
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+    tensor = torch.frombuffer(buffer, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,7 +91,7 @@ def _pickler_class():
 
     class SharingPickler(SourceKeepingPickler):
         def reducer_override(self, obj):
-            shared = _tensor_buffer(obj)
+            shared = tensor_buffer(obj)
             return shared if shared is not None else super().reducer_override(obj)
 
     return SharingPickler

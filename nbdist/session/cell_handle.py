@@ -103,7 +103,7 @@ class CellHandle(EventSource):
         self.log_dir = incarnation.run_dir  # each rank's log is one file for the whole session
         self.label = f"session {incarnation.session_id} · cell {cell_id}"
         if incarnation.gone and not internal:  # a degraded session's view says which ranks it lacks
-            heal = "%dist_heal" if incarnation.heal_hint.startswith("%") else "heal()"
+            heal = "%dist_heal" if incarnation.from_magics else "heal()"
             self.label += f" · {format_rank_set(sorted(incarnation.gone))} gone ({heal})"
         self.quiet_when_finished = True
         self.nprocs = len(self.targets)

@@ -135,10 +135,15 @@ class Incarnation:
         return f"<nbdist session incarnation {self.number} {self.session_id} {self.status}{gone}>"
 
     @property
+    def from_magics(self) -> bool:
+        """The notebook's magics made the session (their restart hint names %dist_restart): messages
+        name the magics, else the API."""
+        return self.restart_hint.startswith("%")
+
+    @property
     def heal_hint(self) -> str:
         """What brings dead ranks back, in the words of the front end that made the session."""
-        return ("%dist_heal brings dead ranks back from their peers" if self.restart_hint.startswith("%") else
-                "Session.heal() brings dead ranks back from their peers")
+        return f"{'%dist_heal' if self.from_magics else 'Session.heal()'} brings dead ranks back from their peers"
 
     @property
     def status(self) -> str:

@@ -190,7 +190,7 @@ def refuse_for_gone(inc, targets) -> None:
     dead = {r: g for r, g in inc.gone.items() if r in targets}
     if not dead:
         return
-    magic = inc.heal_hint.startswith("%")
+    magic = inc.from_magics
     survivors = sorted(inc.pids)
     raise RankGoneError({r: g.how() for r, g in dead.items()}, survivors,
                         heal="%dist_heal" if magic else "Session.heal()",

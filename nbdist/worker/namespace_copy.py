@@ -27,7 +27,7 @@ import zlib
 
 import cloudpickle
 
-from nbdist.protocol.shared_values import IN_BAND_UNDER, load_shared
+from nbdist.protocol.shared_values import IN_BAND_UNDER, load_shared, tensor_buffer
 from nbdist.worker import optimizer_steps
 from nbdist.worker.group_replay import group_fingerprint, group_reference, made_group, resolve_group
 
@@ -52,13 +52,11 @@ class _Pickler(cloudpickle.Pickler):
         if torch is not None and isinstance(obj, torch.Tensor) and obj.is_cuda:
             # torch's own pickle puts it back on the donor's device index: the new rank has its own.
             return _on_own_device, (obj.detach().cpu(), isinstance(obj, torch.nn.Parameter), obj.requires_grad)
-        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" \
-                and obj.layout == torch.strided and not obj.is_quantized:
-            # Its bytes as one pickle-5 buffer: out of band, they reach the new rank through shared
-            # memory at memcpy speed (torch's own pickle zips each storage through torch.save).
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-            return _tensor_from, (pickle.PickleBuffer(raw), str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
-                                  isinstance(obj, torch.nn.Parameter), obj.requires_grad)
+        # A big CPU tensor's bytes as one pickle-5 buffer: out of band, they reach the new rank through
+        # shared memory at memcpy speed (torch's own pickle zips each storage through torch.save).
+        shared = tensor_buffer(obj)
+        if shared is not None:
+            return shared
         if isinstance(obj, types.FunctionType) and obj.__module__ == "__main__":
             closure = tuple(_cell_value(c) for c in obj.__closure__) if obj.__closure__ else None
             return _main_function, (obj.__code__, obj.__name__, obj.__qualname__, obj.__defaults__,
@@ -74,18 +72,6 @@ def _cell_value(cell):
         return cell.cell_contents
     except ValueError:  # a cell not yet assigned
         return _EMPTY_CELL
-
-
-def _tensor_from(buffer, dtype: str, shape: tuple, parameter: bool, requires_grad: bool):
-    """A tensor over ``buffer`` (mapped copy-on-write from the kernel's shared memory: no copy here)."""
-    import torch
-
-    empty = memoryview(buffer).nbytes == 0  # torch.frombuffer refuses an empty buffer
-    tensor = torch.empty(0, dtype=torch.uint8) if empty else torch.frombuffer(buffer, dtype=torch.uint8)
-    tensor = tensor.view(getattr(torch, dtype)).reshape(shape)
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
 def _on_own_device(tensor, parameter: bool, requires_grad: bool):
