@@ -155,6 +155,30 @@ def test_a_donor_killed_mid_heal_leaves_no_hang_and_a_degraded_session(kernel):
     kernel.run("%dist_stop")
 
 
+def test_the_last_survivor_killed_mid_heal_loses_the_session_at_once(kernel):
+    # Soak seed 446660353: with 2 ranks, the donor is the last survivor; its death left only the
+    # replacement, which kept the run alive, and the heal waited out its 90 s connect deadline.
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    assert kernel.run("%%distributed --view text\nimport torch\nw = torch.ones(1000)").status == "ok"
+    os.kill(int(_s(kernel, "_s.pids[1]")), signal.SIGKILL)
+    _wait_status(kernel, "degraded")
+    last = int(_s(kernel, "_s.pids[0]"))
+    msg = kernel.send("%dist_heal")
+    time.sleep(0.1)  # the heal is starting the replacement, or re-forming with it
+    os.kill(last, signal.SIGKILL)
+    t0 = time.monotonic()
+    res = kernel.collect(msg, 150)
+    took = time.monotonic() - t0
+    print(f"last survivor killed mid-heal: the heal answered in {took:.1f} s")
+    assert took < 15, took
+    wait_for(lambda: _s(kernel, "_s.status").strip("'") in ("broken", "degraded"), 30, what="the heal's outcome")
+    if _s(kernel, "_s.status").strip("'") == "broken":  # else healed first, then rank 0 died: degraded
+        assert res.status == "error" and "every rank died" in res.stderr, res.stderr
+        later = kernel.run("%%distributed --view text\n1")
+        assert later.status == "error" and "every rank died" in later.stderr, later.stderr
+    kernel.run("%dist_stop")
+
+
 def test_where_nbdist_cant_heal_it_says_so_in_one_line(kernel):
     res = kernel.run("%dist_heal")
     assert res.status == "error" and "there is none now" in res.stderr

@@ -28,12 +28,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from nbdist.errors import format_rank_set
+from nbdist.errors import SessionLostError, format_rank_set
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared
 from nbdist.run.rank_listener import RankListener
-from nbdist.session.rank_deaths import degrade_survivors, tell_untold_deaths
+from nbdist.session.rank_deaths import degrade_survivors, describe_gone, tell_untold_deaths
 from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["heal", "HealReport", "HEAL_CONNECT_S"]
@@ -128,6 +128,8 @@ def heal(inc, donor: int | None = None) -> HealReport:
         report.seconds["copy"] = time.monotonic() - t2
     except BaseException as exc:
         _undo(inc, dead, started, exc)
+        if inc.lost_reason is not None and not isinstance(exc, SessionLostError):
+            raise SessionLostError(inc.lost_reason) from exc  # what every later cell says too
         raise
     with inc.lock:
         for rank in dead:
@@ -247,6 +249,10 @@ def _undo(inc, dead: list[int], started: dict[int, int], exc: BaseException) -> 
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # its own group (setsid) is all it is
     if inc.ended:
+        return
+    if not inc.pids:  # the last survivor died under the heal: no state is left to keep
+        inc.lose(f"the session was lost: every rank died: {describe_gone(inc.gone)}; its state is gone; "
+                 f"{inc.restart_hint}")
         return
     with inc.lock:
         if not inc.life.move("recovering", only_from=("healing",)):

@@ -96,10 +96,12 @@ def note_rank_death(inc, rank: int, status) -> None:
         inc.gone[rank] = gone
         inc.pids.pop(rank)  # never signalled again: its pid may be another process's soon
         inc.conns.pop(rank, None)  # never written to again
-        if not inc.pids:
-            return  # every rank died: the run ends by itself, and the session is lost (on_run_event)
         cell = inc.active
         state = inc.life.state
+        if not inc.pids and state != "healing":
+            return  # every rank died: the run ends by itself, and the session is lost (on_run_event)
+        # (The last survivor dying mid-heal leaves only replacements, which keep the run alive: the
+        # heal's call must fail now, so that the heal undoes and the session is lost at once.)
     if state in ("busy", "recovering", "healing") and cell is not None:
         recorded = cell.record_death(gone.as_failure())
         if recorded:
