@@ -18,6 +18,7 @@ import importlib
 
 __all__ = [
     "launch",
+    "join_job",
     "Run",
     "Session",
     "warm",
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _WHERE = {
     "launch": "nbdist.api", "ps": "nbdist.api", "kill": "nbdist.api", "default_nprocs": "nbdist.options",
+    "join_job": "nbdist.frontend.job_world",
     "Run": "nbdist.run.state", "Session": "nbdist.session.handle",
     "warm": "nbdist.warmstart.handle", "WarmTemplate": "nbdist.warmstart.handle",
     "rank": "nbdist.protocol.world", "world_size": "nbdist.protocol.world", "is_main": "nbdist.protocol.world",

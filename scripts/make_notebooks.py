@@ -400,3 +400,44 @@ write("07_healing.ipynb", [
          "      f'sampler reads rank {sampler.rank}')"),
     code("%dist_stop"),
 ])
+
+write("08_export.ipynb", [
+    md("# From the notebook to the cluster: `%dist_export`\n\n"
+       "A session knows which cells ran on which ranks, in what order, and which ones failed; which notebook "
+       "functions and constants each one read; and the world it ran in. `%dist_export job.py` writes all of it as "
+       "one script that runs the same under `python`, torchrun, srun and mpirun."),
+    code("%load_ext nbdist"),
+    md("The notebook's own definitions: the ranks get them by value."),
+    code("import torch\n\n"
+         "STEPS = 4\n\n"
+         "def make_model():\n"
+         "    torch.manual_seed(0)\n"
+         "    return torch.nn.Linear(8, 1)"),
+    code("%dist_start -n 2"),
+    code("%%distributed\n"
+         "import torch.distributed as dist\n"
+         "model = torch.nn.parallel.DistributedDataParallel(make_model())\n"
+         "opt = torch.optim.SGD(model.parameters(), lr=0.05)\n"
+         "g = torch.Generator().manual_seed(dist.get_rank())"),
+    md("A cell that fails is left out of the job (its header says so)."),
+    raises("%%distributed\nmodel(torch.randn(2, 3))  # the wrong width: it raises on every rank"),
+    code("%%distributed\n"
+         "for step in range(STEPS):\n"
+         "    opt.zero_grad()\n"
+         "    x = torch.randn(16, 8, generator=g)\n"
+         "    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()\n"
+         "    loss.backward()\n"
+         "    opt.step()\n"
+         "    print(f'step {step} loss {loss.item():.6f}')\n"
+         "print('checksum', repr(sum(p.double().sum().item() for p in model.parameters())))"),
+    md("Export the session. The script's header says how to run it, what the session ran on, and what was left "
+       "out; `job.sbatch` beside it runs it with srun."),
+    code("%dist_export job.py"),
+    code("print(open('job.py').read())"),
+    md("Run the job with plain `python` (it starts its own 2 ranks through `nbdist.launch`; no engine needed). Its "
+       "lines are the session's, to the last digit: the same losses, the same checksum."),
+    code("import subprocess, sys\n"
+         "job = subprocess.run([sys.executable, 'job.py'], capture_output=True, text=True, timeout=300)\n"
+         "print(job.stdout[-2000:], job.stderr[-2000:], f'exit code {job.returncode}')"),
+    code("%dist_stop"),
+])

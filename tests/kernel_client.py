@@ -43,8 +43,15 @@ class Kernel:
     def pid(self) -> int:
         return self.km.provisioner.process.pid
 
-    def send(self, code: str) -> str:
-        return self.kc.execute(code)
+    def send(self, code: str, cell_id: str | None = None) -> str:
+        """Send a cell; ``cell_id`` as JupyterLab, Notebook 7 and VS Code send it (the request's metadata)."""
+        if cell_id is None:
+            return self.kc.execute(code)
+        content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+                   "allow_stdin": self.kc.allow_stdin, "stop_on_error": True}
+        msg = self.kc.session.msg("execute_request", content, metadata={"cellId": cell_id})
+        self.kc.shell_channel.send(msg)
+        return msg["header"]["msg_id"]
 
     def collect(self, msg_id: str, timeout: float = 120, on_message=None, answers=None) -> CellResult:
         """What the cell sends until it is idle. ``answers``: the lines typed into the stdin box, in
@@ -99,8 +106,8 @@ class Kernel:
         res.seconds = time.monotonic() - t0
         return res
 
-    def run(self, code: str, timeout: float = 120, answers=None) -> CellResult:
-        return self.collect(self.send(code), timeout, answers=answers)
+    def run(self, code: str, timeout: float = 120, answers=None, cell_id: str | None = None) -> CellResult:
+        return self.collect(self.send(code, cell_id), timeout, answers=answers)
 
     def _answer_stdin(self, answers, res: CellResult) -> None:
         while self.kc.stdin_channel.msg_ready():

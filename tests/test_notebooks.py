@@ -62,7 +62,7 @@ def test_quickstart_notebook(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["02_failures_and_interrupts", "03_launch_api", "04_multinode", "05_sessions",
-                                  "06_debugging", "07_healing"])
+                                  "06_debugging", "07_healing", "08_export"])
 def test_doc_notebooks_run(name, tmp_path):
     nb = execute_notebook(os.path.join(ROOT, "notebooks", f"{name}.ipynb"), str(tmp_path / f"{name}.ipynb"),
                           timeout=300, cwd=str(tmp_path))
@@ -102,6 +102,13 @@ def test_doc_notebooks_run(name, tmp_path):
         assert "healed rank 2 from rank 0" in text and "rank-specific, not copied" in text, text
         for r in range(4):
             assert f"rank {r}: loss" in text and f"replicas equal: True, sampler reads rank {r}" in text, text
+    elif name == "08_export":
+        said = [line for line in text.splitlines() if line.startswith("[rank") or line.startswith(("step", "checksum"))]
+        checksums = [line.split("checksum", 1)[1].strip() for line in text.splitlines() if "checksum" in line
+                     and not line.lstrip().startswith(("print", "#"))]
+        assert "wrote job.py" in text and "it failed" in text and "exit code 0" in text, text
+        assert len(checksums) >= 2 and len(set(checksums)) == 1, f"the job's checksum is the session's: {checksums}"
+        assert said, text
     else:
         assert "world of 4" in text and "world of 2" in text
         assert "{0: (0, 4), 1: (1, 4), 2: (2, 4), 3: (3, 4)}" in text, "launcher='mpirun'"

@@ -323,6 +323,34 @@ class DistributedMagics(Magics):
 
         print(heal_session(parse_argstring(self.dist_heal, line).donor))
 
+    @magic_arguments()
+    @argument("path", help="the job script to write (job.py); job.sbatch and job_files/ go beside it")
+    @argument("--cells", default=None, help="A-B: only the session cells that ran as In [A] to In [B]")
+    @argument("--launcher", choices=("torchrun", "srun", "mpirun"), default="torchrun",
+              help="the engine the header and the batch file lead with (the script runs under each, and python)")
+    @argument("-n", "--nprocs", type=int, default=None, help="the job's ranks (default: the session's)")
+    @argument("--nnodes", type=int, default=1, help="nodes the job spreads over (torchrun's and the batch file's)")
+    @line_magic
+    def dist_export(self, line):
+        """``%dist_export job.py``: write the session as a job that runs the same under python, torchrun,
+        srun and mpirun.
+
+        The script holds the session cells that finished, in the order they ran (a ``--ranks`` cell
+        guarded by its ranks), after the notebook cells that define what they read; its header says
+        how to run it, what the session ran on, and which cells are left out and why (failed,
+        stopped, using ``_dist`` or a debugger). ``job.sbatch`` beside it runs it with srun.
+
+        Examples
+        --------
+        ::
+
+            %dist_export job.py
+            %dist_export jobs/train.py --cells 3-12 --launcher srun --nprocs 8 --nnodes 2
+        """
+        from nbdist.frontend.export_magic import export_session
+
+        print(export_session(self.shell, parse_argstring(self.dist_export, line)))
+
     @line_magic
     def dist_stacks(self, line):
         """``%dist_stacks``: every session rank's Python stack, now, without stopping anything."""
@@ -475,7 +503,10 @@ def load_ipython_extension(ipython) -> None:
     from nbdist.launchers.store_host import start_store_host
     from nbdist.warmstart.handle import start_in_background
 
+    from nbdist.frontend.notebook_cells import start_recording
+
     ipython.register_magics(DistributedMagics)
+    start_recording(ipython)  # the notebook's cells, for %dist_export
     # The kernel never imports torch for a loopback run: the store host holds the runs' stores. Who
     # first initialises CUDA is watched from the user's own `import torch` on.
     watch_cuda_init_when_imported()
@@ -486,5 +517,8 @@ def load_ipython_extension(ipython) -> None:
 
 
 def unload_ipython_extension(ipython) -> None:
+    from nbdist.frontend.notebook_cells import stop_recording
+
+    stop_recording()
     if _rewrite_distributed_cell in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(_rewrite_distributed_cell)

@@ -21,7 +21,7 @@ from nbdist.launchers.kernel_comm import MpiComm, StopWatch, StoreComm, TorchCom
 from nbdist.protocol.world import WorldInfo
 from nbdist.launchers.slurm_hosts import first_slurm_host
 
-__all__ = ["run_attached", "run_round", "kernel_comm", "mpi_world", "slurm_meeting_point"]
+__all__ = ["run_attached", "join_world", "run_round", "kernel_comm", "mpi_world", "slurm_meeting_point"]
 
 # An attached kernel is a rank for its whole life: the process group (and, under MPI, the store
 # that rank 0 hosts) stay up between launches, like a persistent session. Re-creating them on
@@ -143,10 +143,25 @@ def _join_group_slurm(rank, size, backend):
     import torch.distributed as dist
 
     dist.init_process_group(backend=backend, store=slurm_store(rank, size), rank=rank, world_size=size)
+    # Every task connected to the store to join the group, so each has read task 0's record: a later
+    # step of a job with the same ids (Slurm numbers jobs afresh after a reinstall) must not find it.
+    if rank == 0 and KEEP.get("slurm_record"):
+        with contextlib.suppress(OSError):
+            os.unlink(KEEP["slurm_record"])
+        KEEP["slurm_record"] = None
 
 
 def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
     """Run ``fn`` as this rank of ``world``; return every rank's value, gathered, on every rank."""
+    comm, rank, size, _ = join_world(world, dist_url=dist_url, backend=backend, init_process_group=init_process_group)
+    comm = kernel_comm(world, rank, size, dist_url, comm)
+    return run_round(fn, args, kwargs, comm, rank)
+
+
+def join_world(world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
+    """Join ``world``'s default process group as its engine placed this process: the rank's env,
+    its device bound, the group met at the world's own rendezvous (as a rank nbdist starts would).
+    Returns ``(mpi comm or None, rank, size, local_rank)``."""
     import torch.distributed as dist
 
     from nbdist.worker.bootstrap import bind_device, resolve_backend
@@ -173,8 +188,7 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
         else:
             init = "env://" if dist_url == "auto" else dist_url
             dist.init_process_group(backend=backend, init_method=init, rank=rank, world_size=size)
-    comm = kernel_comm(world, rank, size, dist_url, comm)
-    return run_round(fn, args, kwargs, comm, rank)
+    return comm, rank, size, local_rank
 
 
 def kernel_comm(world: WorldInfo, rank: int, size: int, dist_url: str = "auto", mpi=None):

@@ -13,6 +13,7 @@ import os
 from nbdist.protocol import rundir
 from nbdist.protocol.shared_values import dump_shared
 from nbdist.session.cell_handle import CellHandle
+from nbdist.session.cell_history import CellRecord
 from nbdist.session.pieces import join_pieces, split_in_pieces
 from nbdist.worker.session_loop import get_name, set_shared_names, set_shared_piece, sync_replicas
 
@@ -31,6 +32,8 @@ class CellLevel:
         """
         cell = self._submit(lambda cell_dir, held: rundir.pack_payload(fn, args, kwargs, sources_held=held),
                             ranks, timeout)
+        if not getattr(fn, "__module__", "").startswith("nbdist."):  # nbdist's own reads change nothing
+            self._record(cell, ranks, what="function", call=(fn, args, kwargs))
         return cell if not join else cell.wait()
 
     def execute(self, code: str, ranks=None, timeout=None, join=True, check_collectives=None):
@@ -50,6 +53,7 @@ class CellLevel:
             return rundir.pack_payload(run_cell, (cell_file, False, {}, [], text), {}, sources_held=held)
 
         cell = self._submit(pack, ranks, timeout, check_collectives)
+        self._record(cell, ranks, source=code if code.endswith("\n") else code + "\n")
         return cell if not join else cell.wait()
 
     def push(self, ranks=None, **values) -> None:
@@ -104,7 +108,9 @@ class CellLevel:
         local = not any(r in inc.remote for r in targets)  # another machine's ranks can't map our memory
         shared = dump_shared(values, "a pushed value", local=local)
         try:
-            self.run(fn, *first, shared, ranks=ranks)
+            cell = self.run(fn, *first, shared, ranks=ranks, join=False)
+            self._record(cell, ranks, what="values", value_names=list(first) or sorted(values))
+            cell.wait()
         finally:
             shared.close()  # every rank mapped it (or the cell ended without it)
 
@@ -123,6 +129,11 @@ class CellLevel:
                               autoreload=self.autoreload)
         inc.note_sources_sent(targets, sent)
         return cell
+
+    def _record(self, cell: CellHandle, ranks, **what) -> None:
+        """Keep the user's cell in its incarnation's history (what an export reads)."""
+        inc = cell.incarnation
+        inc.history.add(CellRecord(cell.cell_id, cell, list(cell.targets), ranks is None, **what))
 
     def sync(self, src: int = 0, timeout: float | None = 120) -> str:
         """Re-sync every DDP model's replicas, and their optimizers' state, from rank ``src``.

@@ -199,6 +199,31 @@ class Session(CellLevel):
         """
         return self._current.heal(donor)
 
+    def export(self, path: str, cells: tuple[int, int] | None = None, launcher: str = "torchrun",
+               nprocs: int | None = None, nnodes: int = 1) -> list[str]:
+        """Write this session's cells as a job that runs the same under ``python``, torchrun, srun and mpirun.
+
+        The script at ``path`` holds the cells that finished (``execute`` source, ``run`` calls
+        pickled beside it), in the order they ran, each guarded by the ranks it ran on, after
+        ``nbdist.join_job``; its header says how to run it, what the session ran on, and which cells
+        are left out and why. ``<stem>.sbatch`` beside it runs it with srun. ``%dist_export`` does
+        the same in a notebook, with the notebook's own definitions the cells read. ``cells``: the
+        session's cell numbers to take (first, last); ``launcher``: the engine the header and the batch
+        file lead with; ``nprocs``, ``nnodes``: the job's world (default: the session's ranks, one node).
+
+        Returns the paths written; raises ValueError when no cell can be exported, and
+        FileNotFoundError for a folder that doesn't exist.
+
+        Examples
+        --------
+        >>> session.export("job.py")
+        ['/home/me/job.py', '/home/me/job.sbatch']
+        >>> # then, in a shell: python job.py   or   torchrun --nproc-per-node 4 job.py
+        """
+        from nbdist.session.job_export import plan_job, write_job
+
+        return write_job(plan_job(self._current, cells), path, launcher, nprocs, nnodes)
+
     def restart(self) -> None:
         """End the current ranks (or what is left of them) and start new ones with the same options.
 

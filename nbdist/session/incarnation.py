@@ -44,6 +44,7 @@ from nbdist.session.lifecycle import Life
 from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
 from nbdist.session.reply_reader import ReaderWake, read_replies
+from nbdist.session.cell_history import CellHistory
 from nbdist.session.rank_deaths import describe_gone, note_rank_death, refuse_for_gone, tell_untold_deaths
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.watched_files import WatchedFiles
@@ -96,6 +97,7 @@ class Incarnation:
         self.in_step.set()
         self.world = None  # a session across kernels: its link to the others (nbdist.session.peers)
         self.last_reform: dict | None = None  # each rank's timings of the last re-forming
+        self.history = CellHistory()  # the user's cells, for the export
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
         self.sources_held: set[str] = set()  # notebook cell sources every rank got with an earlier cell
         self.last_failed_rank: int | None = None  # the root cause of the last failed cell (%dist_debug)

@@ -1,0 +1,79 @@
+"""A session's cells as they ran, kept for the export (:mod:`nbdist.session.job_export`).
+
+Each user cell of an incarnation leaves a :class:`CellRecord`: its source (or function), the ranks it
+ran on, the notebook names it read and where their values went, and its handle, whose status says
+at export time how it ended. nbdist's own calls (bringing ranks in step, healing) and the reads that
+change nothing on the ranks (``pull``, ``gather``) leave none. The notebook's own cells, which the
+front end sees run in the kernel, are :class:`NotebookCell` s; they come with an export, never from here.
+
+Standard library only; one history per incarnation: a restart's new ranks start a new one, as the
+state they hold does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["CellRecord", "NotebookCell", "CellHistory", "KEPT_VALUES_FILE"]
+
+KEPT_VALUES_FILE = "notebook-values.nbv"  # in a cell's dir: the notebook values it got, kept past its end
+
+
+@dataclass
+class NotebookCell:
+    """A cell the kernel itself ran (not on the ranks), as the front end saw it."""
+
+    execution_count: int
+    source: str  # as typed: magics and all
+    cell_id: str | None = None  # the id JupyterLab, Notebook 7 and VS Code send with each execution
+    ok: bool = True  # it ran to its end
+
+
+@dataclass
+class CellRecord:
+    """One user cell of a session, as it was sent to the ranks."""
+
+    number: int  # its cell dir's number within the incarnation
+    handle: object  # its CellHandle: ``status`` says how it ended ("finished", "failed", ...)
+    ranks: list[int]  # the ranks it ran on
+    every_rank: bool  # it ran on every rank of the session (no --ranks)
+    what: str = "code"  # "code" (a cell's source), "function" (Session.run), "values" (push, scatter)
+    source: str = ""  # code: the text the ranks ran
+    magic_line: str = ""  # a %%distributed cell's options, as expanded when it ran
+    call: tuple | None = None  # function: (fn, args, kwargs)
+    value_names: list[str] = field(default_factory=list)  # values: the names it set
+    notebook_values: list[str] = field(default_factory=list)  # names read from the notebook, by value
+    modules: dict[str, str] = field(default_factory=dict)  # names read from the notebook: modules
+    pushed_file: str | None = None  # the notebook values as sent, kept in its cell dir (None: too big to keep)
+    execution_count: int | None = None  # the kernel cell that sent it (a magic's)
+    cell_id: str | None = None
+
+    @property
+    def status(self) -> str:
+        return self.handle.status
+
+    @property
+    def label(self) -> str:
+        """How the export's header names it: the notebook's ``In [n]``, or the session's cell number."""
+        return f"In [{self.execution_count}]" if self.execution_count is not None else f"session cell {self.number}"
+
+
+class CellHistory:
+    """The user cells of one incarnation, in the order they were sent."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._records: list[CellRecord] = []
+
+    def add(self, record: CellRecord) -> CellRecord:
+        with self._lock:
+            self._records.append(record)
+        return record
+
+    def records(self) -> list[CellRecord]:
+        with self._lock:
+            return list(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)

@@ -1,0 +1,212 @@
+"""``%dist_export`` (issue 29), through a real kernel: a session exported as a job that runs the same
+under ``python`` (nbdist.launch), torchrun, mpirun and srun, with the session's lines; a DDP session
+whose job ends with the session's parameters; the header's warnings; cells that can't go out; one
+line for each refusal; ``Session.export`` from code."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import nbdist_kernel
+
+pytestmark = pytest.mark.timeout(400)
+
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+PLAIN = """SCALE = 3
+def bump(x):
+    return x * SCALE + 1
+"""
+SEEDED = """%%distributed --view text
+import torch, torch.distributed as dist
+torch.manual_seed(dist.get_rank())
+t = torch.randn(4)
+dist.all_reduce(t)
+print("sum", round(t.sum().item(), 5), "bump", bump(dist.get_rank()))
+"""
+FAILS = "%%distributed --view text\nprint('about to fail')\n1 / 0\n"
+RANK_ONE = "%%distributed --view text --ranks 1\nprint('only rank 1 runs this', round(t[0].item(), 5))\n"
+
+
+@pytest.fixture
+def kernel():
+    with nbdist_kernel("warm") as k:
+        yield k
+
+
+def _rank_lines(text: str, pattern: str) -> dict[int, list[str]]:
+    """``{rank: [line, ...]}`` from output whose lines carry a rank prefix (``pattern``: rank, text)."""
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(pattern, line)
+        if m:
+            lines.setdefault(int(m.group(1)), []).append(m.group(2).strip())
+    return lines
+
+
+SESSION_PREFIX = r"^\[rank (\d+)\] (.*)$"
+
+
+def _run_job(argv: list[str], cwd, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # at call time: the slurm fixture sets SLURM_CONF
+    out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, f"{argv}: exit {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out
+
+
+def _session_with_cells(kernel) -> dict[int, list[str]]:
+    """The must-show session: a plain cell, seeded cells, a failing cell, a rank-1-only cell; its lines."""
+    assert kernel.run(PLAIN, cell_id="cell-plain").status == "ok"
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    said = {}
+    res = kernel.run(SEEDED, cell_id="cell-seeded")
+    assert res.status == "ok", res.error_text + res.stdout
+    for rank, lines in _rank_lines(res.stdout, SESSION_PREFIX).items():
+        said.setdefault(rank, []).extend(lines)
+    failed = kernel.run(FAILS, cell_id="cell-fails")
+    assert failed.status == "error" and "ZeroDivisionError" in failed.error_text + failed.stdout
+    res = kernel.run(RANK_ONE, cell_id="cell-rank-one")
+    assert res.status == "ok", res.error_text + res.stdout
+    for rank, lines in _rank_lines(res.stdout, SESSION_PREFIX).items():
+        said.setdefault(rank, []).extend(lines)
+    assert said[1][-1].startswith("only rank 1 runs this") and len(said[0]) == 1, said
+    return said
+
+
+def test_a_session_exported_runs_the_same_under_python_torchrun_mpirun_and_srun(kernel, tmp_path, request):
+    said = _session_with_cells(kernel)
+    job = tmp_path / "job.py"
+    res = kernel.run(f"%dist_export {job}")
+    assert res.status == "ok", res.error_text
+    assert "wrote" in res.stdout and re.search(r"In \[\d+\]: it failed \(", res.stdout), res.stdout
+    text = job.read_text()
+    assert "get_ipython" not in text and "\n%" not in text, text
+    assert "def bump" in text and "SCALE = 3" in text and "1 / 0" not in text
+    assert "if _job.rank in (1,):" in text
+    assert (tmp_path / "job.sbatch").read_text().count("srun python job.py") == 1
+
+    runs = {"python": ([sys.executable, "job.py"], SESSION_PREFIX),
+            "torchrun": ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+                          "job.py"], r"^\[default(\d+)\]:(.*)$")}
+    if MPIEXEC is not None:
+        runs["mpirun"] = ([MPIEXEC, "-n", "2", "-prepend-rank", sys.executable, "job.py"], r"^\[(\d+)\] (.*)$")
+    from clusters import slurm_missing
+
+    if slurm_missing() is None:
+        request.getfixturevalue("slurm")
+        runs["srun"] = (["srun", "-n", "2", "--overcommit", "--label", sys.executable, "job.py"], r"^(\d+): (.*)$")
+    for how, (argv, prefix) in runs.items():
+        t0 = time.monotonic()
+        out = _run_job(argv, tmp_path)
+        got = _rank_lines(out.stdout, prefix)
+        assert got == said, f"{how}: the job printed {got}, the session {said}\n{out.stdout}\n{out.stderr}"
+        assert "about to fail" not in out.stdout
+        print(f"{how}: the job printed the session's lines, exit 0, in {time.monotonic() - t0:.1f} s")
+    assert set(runs) >= {"python", "torchrun"}
+    kernel.run("%dist_stop")
+
+
+DDP = """%%distributed --view text
+import torch, torch.distributed as dist
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(dist.get_rank())
+"""
+TRAIN = """%%distributed --view text
+for step in range(STEPS):
+    opt.zero_grad()
+    x = torch.randn(16, 8, generator=g)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    loss.backward()
+    opt.step()
+    print(f"step {step} loss {loss.item():.6f}")
+"""
+CHECKSUM = ("%%distributed --view text\n"
+            "print('checksum', repr(sum(p.double().sum().item() for p in model.parameters())))\n")
+
+
+def test_a_ddp_session_exported_ends_with_the_same_parameters(kernel, tmp_path):
+    assert kernel.run("STEPS = 3", cell_id="steps").status == "ok"
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    said = {}
+    for i, cell in enumerate((DDP, TRAIN, TRAIN, CHECKSUM)):
+        res = kernel.run(cell, cell_id=f"ddp-{i}")
+        assert res.status == "ok", res.error_text + res.stdout
+        for rank, lines in _rank_lines(res.stdout, SESSION_PREFIX).items():
+            said.setdefault(rank, []).extend(lines)
+    assert kernel.run(f"%dist_export {tmp_path / 'train.py'}").status == "ok"
+    out = _run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+                    "train.py"], tmp_path)
+    got = _rank_lines(out.stdout, r"^\[default(\d+)\]:(.*)$")
+    assert got == said, f"{got}\n{said}"
+    checksum = [line for line in said[0] if line.startswith("checksum")]
+    assert checksum and checksum == [line for line in got[1] if line.startswith("checksum")]
+    print(f"DDP across the boundary: {checksum[0]} in the session and under torchrun; "
+          f"{sum(1 for line in said[0] if line.startswith('step'))} losses alike to the last digit")
+    kernel.run("%dist_stop")
+
+
+def test_the_header_names_re_run_and_edited_cells_and_cells_that_cant_go_out(kernel, tmp_path):
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    cell = "%%distributed --view text\nx = 1\nprint('x is', x)\n"
+    for _ in range(2):  # the same cell, run twice
+        assert kernel.run(cell, cell_id="again").status == "ok"
+    assert kernel.run("%%distributed --view text\ny = 2\n", cell_id="edited").status == "ok"
+    assert kernel.run("%%distributed --view text\ny = 3\n", cell_id="edited").status == "ok"  # edited, run again
+    # A notebook cell that does more than define goes in whole; one that reads _dist can't go in: the
+    # value the session's cell got goes instead.
+    assert kernel.run("W = 2\nprint('the kernel says hello')", cell_id="mixed").status == "ok"
+    assert kernel.run("ranks_seen = sorted(_dist.results)", cell_id="uses-dist").status == "ok"
+    res = kernel.run("%%distributed --view text\nprint('W', W, 'seen', ranks_seen, 'y', y)", cell_id="reads")
+    assert res.status == "ok", res.error_text
+    res = kernel.run(f"%dist_export {tmp_path / 'job.py'}")
+    assert res.status == "ok", res.error_text
+    header = "\n".join(line for line in (tmp_path / "job.py").read_text().splitlines() if line.startswith("#"))
+    assert re.search(r"cell again was re-run \(In \[\d+\], In \[\d+\]\)", header), header
+    assert re.search(r"cell edited was edited after it ran \(In \[\d+\], In \[\d+\],", header), header
+    assert re.search(r"In \[\d+\] \(a notebook cell\) defines W among other code: it is in whole", header), header
+    assert re.search(r"In \[\d+\] \(a notebook cell that defines ranks_seen\): it reads _dist", header), header
+    assert "it reads _dist" in res.stdout
+    out = _run_job([sys.executable, "job.py"], tmp_path)
+    assert _rank_lines(out.stdout, SESSION_PREFIX) == {
+        r: ["x is 1", "x is 1", "the kernel says hello", "W 2 seen [0, 1] y 3"] for r in (0, 1)}, out.stdout
+    kernel.run("%dist_stop")
+
+
+def test_export_refuses_in_one_line(kernel, tmp_path):
+    res = kernel.run(f"%dist_export {tmp_path / 'job.py'}")
+    assert res.status == "error" and "no session to export" in res.stderr + res.error_text
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    assert kernel.run("%%distributed --view text\n1 / 0").status == "error"
+    res = kernel.run(f"%dist_export {tmp_path / 'job.py'}")
+    text = res.stderr + res.error_text
+    assert res.status == "error" and "no cell of the session can be exported" in text and "it failed" in text, text
+    res = kernel.run(f"%dist_export {tmp_path / 'missing' / 'job.py'}")
+    assert res.status == "error" and "no folder" in res.stderr + res.error_text
+    assert not (tmp_path / "job.py").exists() and not (tmp_path / "missing").exists()
+    kernel.run("%dist_stop")
+
+
+def test_session_export_from_code_runs_with_python(tmp_path):
+    import nbdist
+
+    # A lambda travels by value (a test module's function would need the tests folder in the job).
+    report = lambda scale: print("from run:", __import__("torch.distributed").distributed.get_rank() * scale)  # noqa: E731
+
+    with nbdist.Session(nprocs=2, start_method="spawn") as s:
+        s.execute("import torch.distributed as dist\nbase = 10\nprint('base', base + dist.get_rank())")
+        s.run(report, 5)
+        s.push(extra=1)
+        paths = s.export(str(tmp_path / "code_job.py"))
+    assert paths[0].endswith("code_job.py") and os.path.isdir(tmp_path / "code_job_files")
+    text = (tmp_path / "code_job.py").read_text()
+    assert "set extra from code (Session.push/scatter)" in text, text
+    out = _run_job([sys.executable, "code_job.py"], tmp_path)
+    assert _rank_lines(out.stdout, SESSION_PREFIX) == {0: ["base 10", "from run: 0"], 1: ["base 11", "from run: 5"]}
