@@ -177,6 +177,11 @@ def test_the_header_names_re_run_and_edited_cells_and_cells_that_cant_go_out(ker
     out = _run_job([sys.executable, "job.py"], tmp_path)
     assert _rank_lines(out.stdout, SESSION_PREFIX) == {
         r: ["x is 1", "x is 1", "the kernel says hello", "W 2 seen [0, 1] y 3"] for r in (0, 1)}, out.stdout
+    runs = [int(n) for n in re.findall(r"# ---- In \[(\d+)\] · cell again", (tmp_path / "job.py").read_text())]
+    res = kernel.run(f"%dist_export {tmp_path / 'two.py'} --cells {runs[0]}-{runs[1]}")
+    assert res.status == "ok", res.error_text
+    two = (tmp_path / "two.py").read_text()
+    assert two.count("print('x is', x)") == 2 and "y = " not in two and "ranks_seen" not in two, two
     kernel.run("%dist_stop")
 
 
@@ -188,6 +193,11 @@ def test_export_refuses_in_one_line(kernel, tmp_path):
     res = kernel.run(f"%dist_export {tmp_path / 'job.py'}")
     text = res.stderr + res.error_text
     assert res.status == "error" and "no cell of the session can be exported" in text and "it failed" in text, text
+    res = kernel.run(f"%dist_export {tmp_path / 'job.py'} --cells 1-2")  # before the session's cells
+    assert res.status == "error" and "no cell of the session among cells 1-2 can be exported" in res.stderr + \
+        res.error_text, res.stderr + res.error_text
+    res = kernel.run(f"%dist_export {tmp_path / 'job.py'} --cells 5-3")
+    assert res.status == "error" and "the first cell comes after the last" in res.stderr + res.error_text
     res = kernel.run(f"%dist_export {tmp_path / 'missing' / 'job.py'}")
     assert res.status == "error" and "no folder" in res.stderr + res.error_text
     assert not (tmp_path / "job.py").exists() and not (tmp_path / "missing").exists()
@@ -210,3 +220,33 @@ def test_session_export_from_code_runs_with_python(tmp_path):
     assert "set extra from code (Session.push/scatter)" in text, text
     out = _run_job([sys.executable, "code_job.py"], tmp_path)
     assert _rank_lines(out.stdout, SESSION_PREFIX) == {0: ["base 10", "from run: 0"], 1: ["base 11", "from run: 5"]}
+
+
+def test_the_notebook_file_tells_cells_edited_since_and_run_out_of_order(tmp_path, monkeypatch):
+    """Where the front end names the notebook (Jupyter Server's JPY_SESSION_NAME), its saved cells tell
+    a cell edited since it ran, and cells run in another order than the notebook's."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    first = "%%distributed --view text\na = 1\n"
+    second = "%%distributed --view text\nb = a + 1\nprint('b', b)\n"
+    nb.cells = [nbformat.v4.new_code_cell(first), nbformat.v4.new_code_cell(second)]
+    nb.cells[0]["id"], nb.cells[1]["id"] = "top", "below"
+    path = tmp_path / "work.ipynb"
+    nbformat.write(nb, str(path))
+    monkeypatch.setenv("JPY_SESSION_NAME", str(path))
+    with nbdist_kernel("warm") as k:
+        assert k.run("%dist_start -n 2").status == "ok"
+        assert k.run(first, cell_id="top").status == "ok"
+        assert k.run(second, cell_id="below").status == "ok"
+        assert k.run(first, cell_id="top").status == "ok"  # the top cell again, after the one below it
+        nb.cells[1].source = second.replace("a + 1", "a + 2")  # edited since it ran, and saved
+        nbformat.write(nb, str(path))
+        res = k.run(f"%dist_export {tmp_path / 'job.py'}")
+        assert res.status == "ok", res.error_text
+        k.run("%dist_stop")
+    header = "\n".join(line for line in (tmp_path / "job.py").read_text().splitlines() if line.startswith("#"))
+    assert f"notebook {path}" in header, header
+    assert re.search(r"In \[\d+\] \(cell below\) was edited after it ran: the notebook now shows other source",
+                     header), header
+    assert re.search(r"In \[\d+\] \(cell top\) ran after a cell below it in the notebook", header), header

@@ -179,6 +179,64 @@ def test_the_last_survivor_killed_mid_heal_loses_the_session_at_once(kernel):
     kernel.run("%dist_stop")
 
 
+def test_with_one_survivor_what_every_rank_defined_comes_back(kernel):
+    # Soak seed 135951848: two ranks, one killed; the heal left out the training step a cell run on
+    # both had defined (nothing to compare with), and the next cell raised NameError on the new rank.
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    assert kernel.run("def double(x):\n    return 2 * x").status == "ok"  # a notebook function
+    cell = ("%%distributed --view text\nimport torch\nclass Box:\n    def __init__(self, v):\n        self.v = v\n"
+            "def step(x):\n    return Box(double(x)).v\nshard = torch.arange(3) + torch.distributed.get_rank()")
+    assert kernel.run(cell).status == "ok"
+    assert kernel.run("%%distributed --view text --ranks 0\ndef only_here():\n    return 0").status == "ok"
+    os.kill(int(_s(kernel, "_s.pids[1]")), signal.SIGKILL)
+    _wait_status(kernel, "degraded")
+    healed = kernel.run("%dist_heal")
+    assert healed.status == "ok" and "healed rank 1" in healed.stdout, healed.error_text + healed.stdout
+    held = "sorted(n for n in ('Box', 'step', 'double', 'torch', 'shard', 'only_here') if n in globals())"
+    assert eval(_s(kernel, f"_s.execute({held!r}, ranks=[1])")) == {1: ["Box", "double", "step", "torch"]}
+    judged = next(line for line in healed.stdout.splitlines() if "nothing to compare" in line)
+    assert "only_here" in judged and "shard" in judged, healed.stdout
+    assert eval(_s(kernel, "_s.execute('step(5)')")) == {0: 10, 1: 10}
+    kernel.run("%dist_stop")
+
+
+MESH = """%%distributed --view text
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+mesh_id = id(mesh)
+def mesh_sums():
+    out = []
+    for name in ("dp", "tp"):
+        t = torch.tensor([float(dist.get_rank())])
+        dist.all_reduce(t, group=mesh.get_group(name))
+        out.append(t.item())
+    return tuple(mesh.get_coordinate()), tuple(out), id(mesh) == mesh_id
+"""
+
+
+def test_a_device_mesh_is_re_made_on_the_healed_rank_with_its_own_groups(kernel):
+    assert kernel.run("%dist_start -n 4").status == "ok"
+    res = kernel.run(MESH)
+    assert res.status == "ok", res.error_text + res.stdout
+    before = eval(_s(kernel, "_s.execute('mesh_sums()')"))
+    assert before[2] == ((1, 0), (2.0, 5.0), True), before  # rank 2: dp {0, 2}, tp {2, 3}
+    os.kill(int(_s(kernel, "_s.pids[2]")), signal.SIGKILL)
+    _wait_status(kernel, "degraded")
+    healed = kernel.run("%dist_heal")
+    assert healed.status == "ok" and "healed rank 2" in healed.stdout, healed.error_text + healed.stdout
+    specific = next(line for line in healed.stdout.splitlines() if line.startswith("rank-specific"))
+    names = specific.split(": ", 1)[1].split(", ")
+    assert "mesh_id" in names and "mesh" not in names, healed.stdout  # the mesh is copied, bound to rank 2
+    assert kernel.run("%%distributed --view text --ranks 2\nmesh_id = id(mesh)").status == "ok"  # as told
+    after = eval(_s(kernel, "_s.execute('mesh_sums()')"))
+    # The survivors' mesh is the same object; the new rank's is the donor's mesh with rank 2's own groups.
+    assert {r: v[:2] for r, v in after.items()} == {r: v[:2] for r, v in before.items()}, (before, after)
+    assert all(after[r][2] for r in (0, 1, 3)), after
+    print(f"DeviceMesh 2x2 after the heal: {after}")
+    kernel.run("%dist_stop")
+
+
 def test_where_nbdist_cant_heal_it_says_so_in_one_line(kernel):
     res = kernel.run("%dist_heal")
     assert res.status == "error" and "there is none now" in res.stderr

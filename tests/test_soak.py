@@ -19,7 +19,7 @@ FIXED_SEED = 20261203
 # the donor had, so a later stop compared one optimizer's steps with another's ("apart").
 # 446660353: with 2 ranks, the last survivor killed during a heal left only the replacement alive,
 # and the heal waited out its 90 s connect deadline (rank_deaths.note_rank_death, healing._undo).
-REGRESSIONS: list[int] = [559694983, 446660353]
+REGRESSIONS: list[int] = [559694983, 446660353, 135951848]
 
 
 def _random_seed() -> int:

@@ -361,7 +361,7 @@ def _record_cell(shell, inc, handle, job, ranks, line: str, cell: str, kept: str
     from nbdist.session.cell_history import CellRecord
 
     text = cell if cell.endswith("\n") else cell + "\n"
-    inc.history.add(CellRecord(handle.cell_id, handle, list(handle.targets), ranks is None, source=text,
-                               magic_line=line, notebook_values=list(job.pushed), modules=dict(job.modules),
-                               pushed_file=kept, execution_count=getattr(shell, "execution_count", None),
-                               cell_id=current_cell_id()))
+    inc.history.add(CellRecord(handle.cell_id, list(handle.targets), ranks is None, source=text, magic_line=line,
+                               notebook_values=list(job.pushed), modules=dict(job.modules), pushed_file=kept,
+                               execution_count=getattr(shell, "execution_count", None),
+                               cell_id=current_cell_id()).follow(handle))

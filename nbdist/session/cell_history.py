@@ -35,7 +35,6 @@ class CellRecord:
     """One user cell of a session, as it was sent to the ranks."""
 
     number: int  # its cell dir's number within the incarnation
-    handle: object  # its CellHandle: ``status`` says how it ended ("finished", "failed", ...)
     ranks: list[int]  # the ranks it ran on
     every_rank: bool  # it ran on every rank of the session (no --ranks)
     what: str = "code"  # "code" (a cell's source), "function" (Session.run), "values" (push, scatter)
@@ -48,10 +47,28 @@ class CellRecord:
     pushed_file: str | None = None  # the notebook values as sent, kept in its cell dir (None: too big to keep)
     execution_count: int | None = None  # the kernel cell that sent it (a magic's)
     cell_id: str | None = None
+    status: str = "running"  # how it ended: "finished", "failed", "interrupted", "lost"
+    error_line: str = ""  # a failed cell's error, its first line
 
-    @property
-    def status(self) -> str:
-        return self.handle.status
+    def follow(self, handle) -> CellRecord:
+        """Take the cell's outcome from its handle when it ends, without keeping the handle (nor the
+        values it holds: a history lives as long as the session's ranks)."""
+        from nbdist.run.events import TERMINAL, RunEvent
+
+        def on_event(event) -> None:
+            ended = event.status in TERMINAL or event.status == "lost"
+            if isinstance(event, RunEvent) and event.rank is None and ended:
+                self._settle(event.status, event.detail)
+
+        handle.subscribe(on_event, replay=False)
+        if handle.done:  # it ended before we listened
+            self._settle(handle.status, handle.error)
+        return self
+
+    def _settle(self, status: str, detail) -> None:
+        self.status = status
+        if status == "failed" and isinstance(detail, BaseException):
+            self.error_line = str(detail).splitlines()[0] if str(detail) else type(detail).__name__
 
     @property
     def label(self) -> str:

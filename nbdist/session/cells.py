@@ -133,7 +133,7 @@ class CellLevel:
     def _record(self, cell: CellHandle, ranks, **what) -> None:
         """Keep the user's cell in its incarnation's history (what an export reads)."""
         inc = cell.incarnation
-        inc.history.add(CellRecord(cell.cell_id, cell, list(cell.targets), ranks is None, **what))
+        inc.history.add(CellRecord(cell.cell_id, list(cell.targets), ranks is None, **what).follow(cell))
 
     def sync(self, src: int = 0, timeout: float | None = 120) -> str:
         """Re-sync every DDP model's replicas, and their optimizers' state, from rank ``src``.

@@ -12,7 +12,8 @@
    same objects. Every survivor's DDP reducers are reset, as the new rank's are fresh;
 3. *copy*: every survivor fingerprints each of its names; what is the same on all of them is
    copied from the donor in one dump (:mod:`nbdist.worker.namespace_copy`). With one survivor there
-   is nothing to compare: only DDP models and their optimizers are copied, the rest is listed as
+   is nothing to compare: only what nbdist knows is alike is copied (modules, DDP models and their
+   optimizers, the functions and classes of cells that ran on every rank), the rest is listed as
    not judged. The replicas are then compared as after a stop.
 
 Anything that fails on the way stops the replacements, and the survivors are told again which
@@ -179,13 +180,26 @@ def _reform_with_replacements(inc, generation: int, hellos: dict, dead: list[int
         inc.add_rank(hellos[rank])
 
 
+def _every_rank_cells(inc) -> tuple[list[str], list[str]]:
+    """The files of the cells that ran to their end on every rank, and the names such cells took
+    from the notebook: what they defined is alike on every rank, with no survivor to compare."""
+    files, names = [], []
+    for record in inc.history.records():
+        if record.every_rank and record.status == "finished":
+            if record.what == "code":
+                files.append(os.path.join(inc.run_dir, "cells", f"{record.number:04d}", "cell.py"))
+            names += record.notebook_values + record.value_names
+    return files, names
+
+
 def _copy_namespace(inc, report: HealReport, survivors: list[int]) -> None:
     """Copy what every survivor holds alike from the donor; list the rest; say whether the replicas
     are in step (the survivors' fingerprints tell: the new rank's copy is the donor's)."""
     from nbdist.worker import namespace_copy
 
     prints = call_on_ranks(inc, namespace_copy.fingerprint_names, ranks=survivors)
-    known = call_on_ranks(inc, namespace_copy.replicated_names, ranks=[report.donor])[report.donor]
+    cells, values = _every_rank_cells(inc)
+    known = call_on_ranks(inc, namespace_copy.replicated_names, cells, values, ranks=[report.donor])[report.donor]
     names, groups = _judge(prints, report)
     if len(survivors) == 1:  # nothing to compare: only what nbdist knows is replicated
         report.not_judged = sorted(set(names) - set(known))

@@ -59,6 +59,7 @@ class JobPlan:
     versions: dict = field(default_factory=dict)
     notebook: str | None = None  # the notebook file, where the front end said
     runs: list = field(default_factory=list)  # (cellId, execution count, source) of every session cell, in order
+    cells: tuple[int, int] | None = None  # the range asked for (--cells A-B)
 
 
 def unexportable_reason(source: str) -> str | None:
@@ -82,7 +83,7 @@ def plan_job(inc, cells: tuple[int, int] | None = None) -> JobPlan:
     notebook's execution count, else the session's cell number)."""
     plan = JobPlan(inc.session_id, inc.nprocs, inc.options.backend, dict(inc.options.env or {}),
                    versions={"python": platform.python_version(), "torch": _version_of("torch"),
-                             "nbdist": _version_of("nbdist")})
+                             "nbdist": _version_of("nbdist")}, cells=cells)
     for record in inc.history.records():
         number = record.execution_count if record.execution_count is not None else record.number
         if cells is not None and not cells[0] <= number <= cells[1]:
@@ -111,9 +112,7 @@ def _version_of(package: str) -> str:
 def _why_left_out(record: CellRecord) -> str | None:
     status = record.status
     if status == "failed":
-        error = getattr(record.handle, "error", None)
-        first = str(error).splitlines()[0] if error is not None else ""
-        return f"it failed{f' ({first})' if first else ''}"
+        return f"it failed{f' ({record.error_line})' if record.error_line else ''}"
     if status == "interrupted":
         return "it was stopped (it may have changed the ranks' state before it stopped)"
     if status != "finished":
@@ -152,8 +151,10 @@ def write_job(plan: JobPlan, path: str, launcher: str = "torchrun", nprocs: int 
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no folder {folder!r} to write the job into")
     if not any(not s.notebook for s in plan.steps):
-        raise ValueError("no cell of the session can be exported" +
-                         (f" ({'; '.join(plan.left_out)})" if plan.left_out else ": it has run none yet"))
+        where = f" among cells {plan.cells[0]}-{plan.cells[1]}" if plan.cells else ""
+        none = ": it ran none there" if plan.cells else ": it has run none yet"
+        raise ValueError(f"no cell of the session{where} can be exported" +
+                         (f" ({'; '.join(plan.left_out)})" if plan.left_out else none))
     stem = os.path.splitext(os.path.basename(path))[0]
     files = os.path.join(folder, f"{stem}_files")
     written, names = [], {}

@@ -15,7 +15,7 @@ group's name (:func:`group_reference`) and found again on the new rank by that n
 from __future__ import annotations
 
 __all__ = ["record_group_calls", "recorded_groups", "replay_groups", "group_reference", "resolve_group",
-           "unreplayable", "group_fingerprint", "made_group", "NOT_A_MEMBER"]
+           "unreplayable", "group_fingerprint", "made_group", "call_index", "nearest_call", "NOT_A_MEMBER"]
 
 _RECORD: list[dict] = []  # each new group's arguments, in the order this rank made them
 _MADE: list = []  # what each of those calls returned here: the group, or NON_GROUP_MEMBER (-100)
@@ -83,11 +83,24 @@ def group_fingerprint(value) -> str | None:
     if dist is None:
         return None
     if isinstance(value, dist.ProcessGroup):
-        index = next((k for k, g in enumerate(_MADE) if g is value), None)
+        index = call_index(value)
         return f"process group #{index}" if index is not None else f"process group {value.group_name}"
     if type(value) is int and value == dist.GroupMember.NON_GROUP_MEMBER:
         return NOT_A_MEMBER
     return None
+
+
+def call_index(group) -> int | None:
+    """The index of the call that made ``group`` on this rank (None: not one nbdist saw made)."""
+    return next((k for k, g in enumerate(_MADE) if g is group), None)
+
+
+def nearest_call(ranks: list[int], near: int) -> int | None:
+    """The index of this rank's call that made a group of ``ranks``, nearest to ``near`` (a mesh's
+    groups are made in a run of calls, one per row; the same members may recur elsewhere)."""
+    want = sorted(ranks)
+    found = [k for k, call in enumerate(_RECORD) if call["ranks"] is not None and sorted(call["ranks"]) == want]
+    return min(found, key=lambda k: abs(k - near)) if found else None
 
 
 def made_group(index: int):

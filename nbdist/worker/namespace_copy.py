@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import pickle
 import sys
 import types
@@ -28,13 +29,14 @@ import zlib
 import cloudpickle
 
 from nbdist.protocol.shared_values import IN_BAND_UNDER, load_shared, tensor_buffer
-from nbdist.worker import optimizer_steps
+from nbdist.worker import mesh_copy, optimizer_steps
 from nbdist.worker.group_replay import group_fingerprint, group_reference, made_group, resolve_group
 
 __all__ = ["fingerprint_names", "export_names", "import_names", "import_shared_names", "user_names",
            "replicated_names", "rebuild_ddp_reducers", "RANK_BOUND"]
 
-RANK_BOUND = ("torch.utils.data.DistributedSampler", "torch.utils.data.DataLoader (its sampler)")
+RANK_BOUND = ("torch.utils.data.DistributedSampler", "torch.utils.data.DataLoader (its sampler)",
+              "torch.distributed.device_mesh.DeviceMesh (its own groups)")
 _SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
 
 
@@ -57,6 +59,8 @@ class _Pickler(cloudpickle.Pickler):
         shared = tensor_buffer(obj)
         if shared is not None:
             return shared
+        if mesh_copy.is_root_mesh(obj):  # bound to its rank: the new rank takes its own groups
+            return mesh_copy.reduce_mesh(obj)
         if isinstance(obj, types.FunctionType) and obj.__module__ == "__main__":
             closure = tuple(_cell_value(c) for c in obj.__closure__) if obj.__closure__ else None
             return _main_function, (obj.__code__, obj.__name__, obj.__qualname__, obj.__defaults__,
@@ -151,6 +155,8 @@ def _fingerprint(value) -> str:
         group = group_fingerprint(value)
         if group is not None:
             return group
+        if mesh_copy.is_root_mesh(value):
+            return mesh_copy.mesh_fingerprint(value)
         if _is_sharded(value):  # FSDP2/DTensor: each rank holds its own shard, by design
             import os
 
@@ -263,9 +269,11 @@ def _distributed_sampler(value):
     return None
 
 
-def replicated_names() -> list[str]:
+def replicated_names(every_rank_cells=(), every_rank_values=()) -> list[str]:
     """The names whose values nbdist knows are the same on every rank: imported modules, DDP models
-    (their replicas are kept equal by DDP itself) and the optimizers over their parameters. What a
+    (their replicas are kept equal by DDP itself), the optimizers over their parameters, and the
+    functions and classes that a cell run on every rank defined (``every_rank_cells``: those cells'
+    files) or that such a cell took from the notebook (``every_rank_values``: their names). What a
     heal copies when only one survivor is left to compare with."""
     import torch
 
@@ -273,14 +281,36 @@ def replicated_names() -> list[str]:
 
     models = {id(m) for m in live_ddp_models()}
     params = {id(p) for m in live_ddp_models() for p in m.parameters()}
+    cells, sent = set(every_rank_cells), set(every_rank_values)
     out = []
     for name, value in user_names().items():
         if isinstance(value, types.ModuleType) or id(value) in models:  # a module is imported by name
             out.append(name)
+        elif isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__":
+            where = _defining_file(value)
+            # A cell's file says where it was defined; one run on every rank defined it on every rank.
+            if where in cells or (name in sent and not _is_cell_file(where)):
+                out.append(name)
         elif isinstance(value, torch.optim.Optimizer) and all(
                 id(p) in params for group in value.param_groups for p in group["params"]):
             out.append(name)
     return out
+
+
+def _defining_file(value) -> str:
+    """The file a function's code (a class's methods') came from: a cell's file, or the notebook's."""
+    if isinstance(value, type):
+        for member in vars(value).values():
+            member = getattr(member, "__func__", member)  # classmethod, staticmethod
+            if isinstance(member, types.FunctionType) and not member.__code__.co_filename.startswith("<"):
+                return member.__code__.co_filename  # not a dataclass's made methods ("<string>")
+        return ""
+    return value.__code__.co_filename
+
+
+def _is_cell_file(path: str) -> bool:
+    """A session cell's file (``<run dir>/cells/NNNN/cell.py``), not the notebook's."""
+    return os.path.basename(path) == "cell.py" and os.path.basename(os.path.dirname(os.path.dirname(path))) == "cells"
 
 
 def export_names(names: list[str], groups: dict | None = None) -> dict:
