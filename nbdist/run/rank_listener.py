@@ -70,6 +70,9 @@ class RankListener:
         ``deadline`` (monotonic) passes, or ``keep_going()`` turns False; return the ranks that did."""
         arrived: set[int] = set()
         done = threading.Condition()
+        # The loop waits in select(); a handshake that ends wakes it through this pair at once (a poll
+        # would add its period to every start and every heal, after the last rank said hello).
+        wake_r, wake_w = socket.socketpair()
 
         def greeted(hello: RankHello) -> None:
             with done:
@@ -79,27 +82,35 @@ class RankListener:
                 arrived.add(hello.rank)
                 on_hello(hello)
                 done.notify_all()
+            with contextlib.suppress(OSError):  # the loop may have ended and closed it
+                wake_w.send(b"x")
 
-        while len(arrived) < nprocs and keep_going() and not self._closed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                readable, _, _ = select.select([self._sock], [], [], min(left, 0.5))
-            except (OSError, ValueError):  # closed under us
-                break
-            if not readable:
-                continue
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._greet, args=(client, greeted), name="nbdist-session-handshake",
-                             daemon=True).start()
-        with done:  # handshakes in flight finish (or time out) within their own deadline
-            done.wait_for(lambda: len(arrived) >= nprocs or not keep_going(),
-                          timeout=max(0.0, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
-            return set(arrived)
+        try:
+            while len(arrived) < nprocs and keep_going() and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    readable, _, _ = select.select([self._sock, wake_r], [], [], min(left, 0.5))
+                except (OSError, ValueError):  # closed under us
+                    break
+                if wake_r in readable:
+                    wake_r.recv(4096)
+                if self._sock not in readable:
+                    continue
+                try:
+                    client, _ = self._sock.accept()
+                except OSError:
+                    continue
+                threading.Thread(target=self._greet, args=(client, greeted), name="nbdist-session-handshake",
+                                 daemon=True).start()
+            with done:  # handshakes in flight finish (or time out) within their own deadline
+                done.wait_for(lambda: len(arrived) >= nprocs or not keep_going(),
+                              timeout=max(0.0, min(HANDSHAKE_TIMEOUT_S, deadline - time.monotonic())))
+                return set(arrived)
+        finally:
+            wake_r.close()
+            wake_w.close()
 
     def serve(self, on_hello) -> threading.Thread:
         """Accept ranks until :meth:`close`, on a thread of its own; each that says hello is given

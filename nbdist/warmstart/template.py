@@ -22,6 +22,7 @@ template's stack (:class:`_BecomeRank`) and runs as a spawned rank would, with t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -62,6 +63,14 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
     import nbdist.worker.debugger  # noqa: F401  (pdb: every rank sets its breakpoint hook)
     import nbdist.worker.exceptions  # noqa: F401  (a failure's report)
     import nbdist.worker.session_loop  # noqa: F401  (a session's ranks)
+    # What a session's rank imports before it serves its first cell: 0.5 s of each rank's CPU on
+    # its way in, and the wait of a healed rank's first call (display() patches IPython's modules).
+    import nbdist.worker.autoreload  # noqa: F401
+    import nbdist.worker.display  # noqa: F401
+    import nbdist.worker.stop_point  # noqa: F401
+    import nbdist.worker.torch_modes  # noqa: F401
+    with contextlib.suppress(ImportError):  # no IPython where the ranks run: display() prints
+        import IPython.display  # noqa: F401
 
     failed, refusal = [], None
     for name in preload:
