@@ -1,10 +1,10 @@
 """A rank's death to a healed, idle session, against the baselines from the same run, through a real kernel.
 
-    .venv/bin/python benchmarks/bench_heal.py [--mb 100] [--nprocs 4] [--repeat 3] [--restart]
+    .venv/bin/python benchmarks/bench_heal.py [--mb 100] [--nprocs 4] [--repeat 3] [--victim R] [--restart]
 
 One kernel (jupyter_client), as users have it, with a live warm session: a DDP model of ``--mb`` MB of
 float32 parameters and Adam (its two moments: three times that per rank), trained a few steps. Each
-repeat SIGKILLs rank 2 while idle and times, from the kill:
+repeat SIGKILLs one rank (``--victim``, rank 2 of 4 by default) while idle and times, from the kill:
 
 * *degraded*: until the session says so (the survivors told which rank their groups lack);
 * *healed*: until ``%dist_heal`` returned and the session is idle, every rank in step; with the
@@ -84,17 +84,19 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=100)
     ap.add_argument("--nprocs", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--victim", type=int, default=None, help="the rank killed (default: nprocs // 2)")
     ap.add_argument("--restart", action="store_true", help="also time %%dist_restart plus the cells again")
     args = ap.parse_args()
+    victim = args.nprocs // 2 if args.victim is None else args.victim
     degraded, healed, phases, same = [], [], [], []
     with nbdist_kernel("warm") as k:
         _value(k, f"%dist_start -n {args.nprocs}\n1")
         _value(k, setup_cell(args.mb) + "\n1")
         _value(k, TRAIN + "\n1")
         for _ in range(args.repeat):
-            survivors = [r for r in range(args.nprocs) if r != 2]
+            survivors = [r for r in range(args.nprocs) if r != victim]
             before = {r: _value(k, PRINTS.format(r=r)) for r in survivors}
-            pid = int(_value(k, SESSION + "_s.pids[2]"))
+            pid = int(_value(k, SESSION + f"_s.pids[{victim}]"))
             t0 = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             _wait(k, "degraded")
@@ -115,7 +117,8 @@ def main() -> None:
         _value(k, "%dist_stop\n1")
     copy = memcpy_seconds(args.mb)
     heal = statistics.median(healed)
-    print(f"bench_heal: {args.nprocs} ranks, warm, a {args.mb} MB DDP model + Adam, {args.repeat} deaths of rank 2")
+    print(f"bench_heal: {args.nprocs} ranks, warm, a {args.mb} MB DDP model + Adam, "
+          f"{args.repeat} deaths of rank {victim}")
     print(f"  kill -> degraded      {statistics.median(degraded) * 1000:8.0f} ms (median)")
     print(f"  kill -> healed, idle  {heal * 1000:8.0f} ms (median; goal at 100 MB: within 2000 ms)")
     print(f"  memcpy of one rank's state ({3 * args.mb} MB) {copy * 1000:8.1f} ms; heal / memcpy = {heal / copy:.1f}x")

@@ -134,3 +134,36 @@ def test_nothing_shared_is_left_after_a_kill_or_the_kernel_s_death(run_script):
     proc.wait()
     wait_for(lambda: not marked_pids(sid), 5, what="the session to go with its kernel")
     assert _shm() == before
+
+
+def test_a_value_handed_on_outlives_its_writer_without_a_copy():
+    """What a heal does with the donor's state: the kernel reshares a rank's memfds (its own
+    descriptors to the same memory), the writer lets go and exits, and a reader still maps the
+    value: the writer's bytes, not a copy the kernel made."""
+    import pickle
+    import subprocess
+    import sys
+
+    from nbdist.protocol.shared_values import load_shared, reshare
+
+    writer = ("import pickle, sys, numpy as np\n"
+              "from nbdist.protocol.shared_values import dump_shared\n"
+              "shared = dump_shared({'a': np.arange(2**20, dtype=np.float32)}, 'a test value')\n"
+              "sys.stdout.buffer.write(pickle.dumps(shared)); sys.stdout.buffer.flush()\n"
+              "sys.stdin.readline()\nshared.close()\n")
+    proc = subprocess.Popen([sys.executable, "-c", writer], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        sent = pickle.load(proc.stdout)  # one pickle: no need to wait for the end of the stream
+        assert sent.pid == proc.pid and len(sent.fds) == 1
+        mine = reshare(sent)
+        proc.communicate(b"done\n", timeout=30)
+        assert proc.returncode == 0
+        assert mine.pid == os.getpid() and mine.sizes == sent.sizes
+        value = load_shared(mine)
+        mine.close()  # the mapping keeps the memory; no descriptor is left open
+        assert _memfds(os.getpid()) == 0
+        assert np.array_equal(value["a"], np.arange(2**20, dtype=np.float32))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(5)

@@ -74,6 +74,9 @@ class CellHandle(EventSource):
         self.cell_dir = cell_dir
         self.status = "running"
         self.results: dict[int, object] = {}
+        # Each rank's value as it came, where it came through shared memory: a heal hands the donor's
+        # on to the new rank without copying it (nbdist.protocol.shared_values.reshare).
+        self.shared_replies: dict[int, object] = {}
         self.failures: dict[int, RankFailure] = {}
         self.deaths: set[int] = set()  # ranks that died during the cell (their failure says how)
         self.interrupted: set[int] = set()
@@ -231,12 +234,15 @@ class CellHandle(EventSource):
     def record_done(self, rank: int, kind: str, body, offsets, pid: int | None) -> bool:
         """One rank's answer; True when it was the last one."""
         from nbdist.protocol.session_channel import load_value
+        from nbdist.protocol.shared_values import SharedValue
 
         with self._lock:
             self.offsets[rank] = tuple(map(tuple, offsets))
             if kind == "finished":
                 try:
                     self.results[rank] = load_value(body)
+                    if isinstance(body, SharedValue):
+                        self.shared_replies[rank] = body
                 except Exception as exc:  # a class only the ranks can import, say: this cell's error
                     kind, body = "failed", _unloadable(rank, exc)
             if kind == "interrupted":

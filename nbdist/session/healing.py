@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from nbdist.errors import SessionLostError, format_rank_set
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import read_session_key
-from nbdist.protocol.shared_values import dump_shared
+from nbdist.protocol.shared_values import dump_shared, reshare
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.rank_deaths import degrade_survivors, describe_gone, tell_untold_deaths
 from nbdist.session.internal_calls import call_on_ranks
@@ -197,7 +197,8 @@ def _copy_namespace(inc, report: HealReport, survivors: list[int]) -> None:
     are in step (the survivors' fingerprints tell: the new rank's copy is the donor's)."""
     from nbdist.worker import namespace_copy
 
-    prints = call_on_ranks(inc, namespace_copy.fingerprint_names, ranks=survivors)
+    # One survivor has nobody to compare its tensors' bytes with: their dtype and shape do.
+    prints = call_on_ranks(inc, namespace_copy.fingerprint_names, len(survivors) > 1, ranks=survivors)
     cells, values = _every_rank_cells(inc)
     known = call_on_ranks(inc, namespace_copy.replicated_names, cells, values, ranks=[report.donor])[report.donor]
     names, groups = _judge(prints, report)
@@ -209,12 +210,13 @@ def _copy_namespace(inc, report: HealReport, survivors: list[int]) -> None:
     apart = sorted(n for n in report.rank_specific if n in known)
     report.rank_specific = [n for n in report.rank_specific if n not in known]
     names = sorted(set(names) | set(apart))
-    exported = call_on_ranks(inc, namespace_copy.export_names, names, groups,
-                             ranks=[report.donor])[report.donor]
+    exported, sent = call_on_ranks(inc, namespace_copy.export_names, names, groups,
+                                   ranks=[report.donor], as_sent=True)[report.donor]
     report.unpicklable.update(exported["unpicklable"])
-    # The tensors' bytes: mapped here from the donor's memfds, written once into the kernel's own
-    # for the new ranks to map (pickle-5 buffers; nothing goes through a file or a socket).
-    shared = dump_shared(exported, "the heal's copy of the donor's names", local=True)
+    # The tensors' bytes: written once by the donor into its memfds (pickle-5 buffers), which the
+    # kernel opens and hands on to the new ranks to map: no second copy, no file, no socket. The
+    # donor lets go of its own at the kernel's next message; the kernel's descriptors keep them.
+    shared = reshare(sent) if sent is not None else dump_shared(exported, "the heal's copy", local=True)
     try:
         call_on_ranks(inc, namespace_copy.import_shared_names, shared, ranks=report.healed)
     finally:

@@ -15,11 +15,12 @@ __all__ = ["call_on_ranks", "CHECK_TIMEOUT_S"]
 CHECK_TIMEOUT_S = 60.0  # counting collectives takes ms; re-forming waits for every rank to connect
 
 
-def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None) -> dict:
+def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None, as_sent: bool = False) -> dict:
     """Run nbdist's own ``fn(*args)`` on every rank (or ``ranks``) of a session that is bringing its
     ranks in step, or healing.
 
-    Returns ``{rank: value}``; a rank that doesn't answer within ``timeout`` is dumped and the
+    Returns ``{rank: value}`` (with ``as_sent``, ``{rank: (value, shared)}``: ``shared`` the
+    :class:`~nbdist.protocol.shared_values.SharedValue` it came in, None when it came in-band); a rank that doesn't answer within ``timeout`` is dumped and the
     session is stopped (SessionLostError); a rank that raised raises its WorkerFailedError.
     """
     gone = sorted(set(ranks or ()) - set(inc.conns))
@@ -38,4 +39,6 @@ def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None) 
     handle._done.wait(timeout)
     if handle.error is not None:
         raise handle.error
+    if as_sent:
+        return {r: (v, handle.shared_replies.get(r)) for r, v in handle.results.items()}
     return handle.results

@@ -22,7 +22,6 @@ template's stack (:class:`_BecomeRank`) and runs as a spawned rank would, with t
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 import signal
@@ -64,13 +63,12 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
     import nbdist.worker.exceptions  # noqa: F401  (a failure's report)
     import nbdist.worker.session_loop  # noqa: F401  (a session's ranks)
     # What a session's rank imports before it serves its first cell: 0.5 s of each rank's CPU on
-    # its way in, and the wait of a healed rank's first call (display() patches IPython's modules).
+    # its way in, and the wait of a healed rank's first call. Not the IPython modules display
+    # patches: a rank loads nothing of IPython until a session's display needs it.
     import nbdist.worker.autoreload  # noqa: F401
     import nbdist.worker.display  # noqa: F401
     import nbdist.worker.stop_point  # noqa: F401
     import nbdist.worker.torch_modes  # noqa: F401
-    with contextlib.suppress(ImportError):  # no IPython where the ranks run: display() prints
-        import IPython.display  # noqa: F401
 
     failed, refusal = [], None
     for name in preload:

@@ -18,6 +18,7 @@ parameters, not copies), and the new rank unpickles it (:func:`import_names`):
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import io
 import os
@@ -38,6 +39,9 @@ __all__ = ["fingerprint_names", "export_names", "import_names", "import_shared_n
 RANK_BOUND = ("torch.utils.data.DistributedSampler", "torch.utils.data.DataLoader (its sampler)",
               "torch.distributed.device_mesh.DeviceMesh (its own groups)")
 _SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
+# False while a fingerprint leaves tensors' bytes out: one survivor has nobody to compare them with,
+# and reading a model's gigabytes would be most of its heal.
+_TENSOR_BYTES = contextvars.ContextVar("nbdist_fingerprint_tensor_bytes", default=True)
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -141,10 +145,15 @@ def user_names() -> dict:
     return {k: v for k, v in main.items() if not k.startswith("_") and k not in _SKIP}
 
 
-def fingerprint_names() -> dict[str, str]:
+def fingerprint_names(tensor_bytes: bool = True) -> dict[str, str]:
     """``{name: fingerprint}`` of every user name: equal on two ranks when the values are equal
-    (rank-bound types compared without their rank); "unpicklable: <type>" when it can't be judged."""
-    return {name: _fingerprint(value) for name, value in user_names().items()}
+    (rank-bound types compared without their rank); "unpicklable: <type>" when it can't be judged.
+    ``tensor_bytes=False``: tensors by their dtype and shape only (nothing to compare them with)."""
+    token = _TENSOR_BYTES.set(tensor_bytes)
+    try:
+        return {name: _fingerprint(value) for name, value in user_names().items()}
+    finally:
+        _TENSOR_BYTES.reset(token)
 
 
 def _fingerprint(value) -> str:
@@ -193,6 +202,8 @@ def _feed(digest, value) -> None:
     if torch is not None and isinstance(value, torch.Tensor):
         t = value.detach()
         digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
+        if not _TENSOR_BYTES.get():
+            return
         # CRC-32 over the bytes in place: no copy, and twice SHA-1's speed; what it tells apart is the
         # same value on two ranks from a different one, not an adversary's collision.
         raw = t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
