@@ -21,10 +21,11 @@ from nbdist.frontend.cell_source import CellSource, find_read_names
 from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
 from nbdist.protocol.rundir import PULL_FILE, PUSH_FILE
+from nbdist.session.cell_history import KEPT_VALUES_FILE
 from nbdist.worker.cell import run_cell
 
 __all__ = ["CellJob", "prepare_cell", "write_cell", "write_cell_record", "start_cell", "finish_cell", "run_attached_cell",
-           "attached_world", "world_arguments", "session_world_arguments", "world_options", "split_names"]
+           "keep_notebook_values", "attached_world", "world_arguments", "session_world_arguments", "world_options", "split_names"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +158,24 @@ def write_cell_record(job: CellJob) -> None:
         rundir.write_private(job.cell_file, job.source_text.encode("utf-8"))
     except OSError as exc:
         log.warning("nbdist: could not keep the cell's source in %s (%s)", job.cell_file, exc)
+
+
+KEEP_VALUES_BYTES = 64 << 20  # the notebook values a cell got, kept for %dist_export up to this size
+
+
+def keep_notebook_values(job) -> str | None:
+    """A second name for the file of notebook values the cell is sent (a hard link: no copy), which
+    outlives the cell's own (deleted as the cell ends); None when there is none, or it is too big."""
+    if not job.pushed:
+        return None
+    sent, kept = os.path.join(job.run_dir, PUSH_FILE), os.path.join(job.run_dir, KEPT_VALUES_FILE)
+    try:
+        if os.path.getsize(sent) > KEEP_VALUES_BYTES:
+            return None
+        os.link(sent, kept)
+    except OSError:
+        return None
+    return kept
 
 
 def write_pushed(path: str, values: dict) -> None:

@@ -4,6 +4,8 @@ notebook's own definitions (:mod:`nbdist.frontend.export_notebook`)."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 
 from IPython.core.error import UsageError
@@ -29,32 +31,43 @@ def export_session(shell, args) -> str:
     """Write the job; return the one line that says what went where."""
     from nbdist.frontend.export_notebook import add_notebook_definitions
     from nbdist.frontend.notebook_cells import notebook_cells, notebook_file_cells
+    from nbdist.frontend.one_shot_cells import one_shot_history
     from nbdist.frontend.session_magics import live_session
-    from nbdist.session.job_export import plan_job, write_job
+    from nbdist.session.job_export import plan_job, plan_one_shot_job, write_job
 
     session = live_session()
-    if session is None:
-        raise UsageError("no session to export: %dist_start, run its cells, then %dist_export job.py")
+    one_shot = one_shot_history().records() if session is None else []
+    if session is None and not one_shot:
+        raise UsageError("nothing to export: no session, and no %%distributed cell has run; run the cells "
+                         "(in a session: %dist_start), then %dist_export job.py")
     if args.nprocs is not None and args.nprocs < 1 or args.nnodes < 1:
         raise UsageError("--nprocs and --nnodes take a positive number")
     path = os.path.abspath(os.path.expanduser(args.path))
     if not os.path.isdir(os.path.dirname(path)):
         raise UsageError(f"no folder {os.path.dirname(path)!r} to write {os.path.basename(path)} into")
     t0 = time.monotonic()
-    plan = plan_job(session.incarnation, parse_cell_range(args.cells))
-    plan.notebook, saved = notebook_file_cells(shell)
-    add_notebook_definitions(plan, notebook_cells(shell), saved)
-    for i, step in enumerate(plan.steps):
-        if step.value_names and (step.values_from is None or not os.path.exists(step.values_from)):
-            _take_values_now(shell, plan, step, os.path.join(session.run_dir, f"export-values-{i}.nbv"))
+    # Values a cell got that were not kept go here first: the session's run dir, else a dir of the export's.
+    folder = session.run_dir if session else tempfile.mkdtemp(prefix="nbdist-export-")
     try:
+        cells = parse_cell_range(args.cells)
+        # No session: the notebook's one-shot cells, each of which ran on ranks of its own.
+        plan = plan_job(session.incarnation, cells) if session else plan_one_shot_job(one_shot, args.nprocs, cells)
+        plan.notebook, saved = notebook_file_cells(shell)
+        add_notebook_definitions(plan, notebook_cells(shell), saved)
+        for i, step in enumerate(plan.steps):
+            if step.value_names and (step.values_from is None or not os.path.exists(step.values_from)):
+                _take_values_now(shell, plan, step, os.path.join(folder, f"export-values-{i}.nbv"))
         written = write_job(plan, path, args.launcher, args.nprocs, args.nnodes)
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from None
+    finally:
+        if session is None:  # what it held is copied beside the job
+            shutil.rmtree(folder, ignore_errors=True)
     cells = sum(1 for s in plan.steps if not s.notebook)
     beside = ", ".join(os.path.basename(p) + ("/" if os.path.isdir(p) else "") for p in written[1:])
     left = f"; left out: {'; '.join(plan.left_out)}" if plan.left_out else ""
-    return (f"nbdist: wrote {args.path} ({cells} session cell{'s' if cells != 1 else ''}, "
+    kind = "session" if session else "%%distributed"
+    return (f"nbdist: wrote {args.path} ({cells} {kind} cell{'s' if cells != 1 else ''}, "
             f"{len(plan.steps) - cells} notebook cell{'s' if len(plan.steps) - cells != 1 else ''}; "
             f"{beside} beside it) in {time.monotonic() - t0:.2f} s{left}; run it: python {args.path}")
 

@@ -27,8 +27,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbdist.api import kill, ps
-from nbdist.frontend.cell_job import (attached_world, finish_cell, prepare_cell, run_attached_cell,
-                                      session_world_arguments, start_cell, world_arguments, world_options)
+from nbdist.frontend.cell_job import (attached_world, finish_cell, keep_notebook_values, prepare_cell,
+                                      run_attached_cell, session_world_arguments, start_cell, world_arguments, world_options)
 from nbdist.frontend.cli import describe_template, format_table, sort_procs
 from nbdist.frontend.views import FLUSH_INTERVAL, make_view
 from nbdist.protocol import registration, rundir
@@ -75,6 +75,7 @@ def _launch_cell(shell, line: str, cell: str):
     """Prepare and start the cell; return ``(job, run, view)``, or ``(job, None, value)`` when the
     kernel is itself a rank and ran the cell in place. A live session takes the cell (unless
     ``--fresh``): ``run`` is then the cell's handle."""
+    from nbdist.frontend.one_shot_cells import record_one_shot
     from nbdist.frontend.session_magics import launch_session_cell, live_session
 
     args = copy.copy(_parse_cell_line(line))  # each cell's own copy: a job keeps and may change it
@@ -88,7 +89,9 @@ def _launch_cell(shell, line: str, cell: str):
         job = prepare_cell(shell, args, line, cell)
         if attached_world(job) is not None and not job.args.nprocs:
             return job, None, run_attached_cell(shell, job)
+        kept = keep_notebook_values(job)  # before the run can end: its end deletes what it was sent
         run = start_cell(shell, job)
+        record_one_shot(shell, job, run, line, cell, kept)  # for %dist_export with no session
     view = make_view(run, job.args.view)
     _show(view)
     if job.args.bg:
@@ -325,10 +328,11 @@ class DistributedMagics(Magics):
 
     @magic_arguments()
     @argument("path", help="the job script to write (job.py); job.sbatch and job_files/ go beside it")
-    @argument("--cells", default=None, help="A-B: only the session cells that ran as In [A] to In [B]")
+    @argument("--cells", default=None, help="A-B: only the cells that ran as In [A] to In [B]")
     @argument("--launcher", choices=("torchrun", "srun", "mpirun"), default="torchrun",
               help="the engine the header and the batch file lead with (the script runs under each, and python)")
-    @argument("-n", "--nprocs", type=int, default=None, help="the job's ranks (default: the session's)")
+    @argument("-n", "--nprocs", type=int, default=None,
+              help="the job's ranks (default: the session's; without one, what most one-shot cells ran on)")
     @argument("--nnodes", type=int, default=1, help="nodes the job spreads over (torchrun's and the batch file's)")
     @line_magic
     def dist_export(self, line):
@@ -339,6 +343,9 @@ class DistributedMagics(Magics):
         guarded by its ranks), after the notebook cells that define what they read; its header says
         how to run it, what the session ran on, and which cells are left out and why (failed,
         stopped, using ``_dist`` or a debugger). ``job.sbatch`` beside it runs it with srun.
+
+        With no session, the notebook's one-shot ``%%distributed`` cells go out instead, one after the
+        other in the job's one world (the quickstart's kind of notebook).
 
         Examples
         --------

@@ -12,18 +12,16 @@ views a one-shot run gets. One session per kernel.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 from IPython.core.error import UsageError
 
 from nbdist.errors import LaunchConfigError, SessionLostError
+from nbdist.frontend.cell_job import keep_notebook_values
 from nbdist.frontend.cell_source import CellSource, find_defined_names
 from nbdist.options import WorldOptions
 from nbdist.protocol import rundir
-from nbdist.protocol.rundir import PUSH_FILE
-from nbdist.session.cell_history import KEPT_VALUES_FILE
 from nbdist.protocol.session_channel import Autoreload
 from nbdist.session.handle import Session
 from nbdist.worker.cell import run_cell
@@ -320,7 +318,7 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     try:
         job = write_cell(shell, args, options, None, CellSource(line, cell), f"{inc.session_id}", cell_dir, push,
                          pull, on_ranks=inc.defined_names, write_source=False)
-        kept = _keep_notebook_values(job)  # before the cell can end: its end deletes what it was sent
+        kept = keep_notebook_values(job)  # before the cell can end: its end deletes what it was sent
         payload, sent = rundir.pack_payload(run_cell, (job.cell_file, bool(job.pushed), job.modules, job.pull,
                                                       job.source_text), {}, sources_held=inc.sources_held)
         handle = inc.start_cell(cell_dir, targets, payload, args.timeout,
@@ -335,24 +333,6 @@ def launch_session_cell(shell, session: Session, args, line: str, cell: str):
     inc.defined_names |= find_defined_names(job.tree)
     shell.user_ns["_dist"] = handle
     return job, handle
-
-
-KEEP_VALUES_BYTES = 64 << 20  # the notebook values a session cell got, kept for %dist_export up to this size
-
-
-def _keep_notebook_values(job) -> str | None:
-    """A second name for the file of notebook values the cell is sent (a hard link: no copy), which
-    outlives the cell's own (deleted as the cell ends); None when there is none, or it is too big."""
-    if not job.pushed:
-        return None
-    sent, kept = os.path.join(job.run_dir, PUSH_FILE), os.path.join(job.run_dir, KEPT_VALUES_FILE)
-    try:
-        if os.path.getsize(sent) > KEEP_VALUES_BYTES:
-            return None
-        os.link(sent, kept)
-    except OSError:
-        return None
-    return kept
 
 
 def _record_cell(shell, inc, handle, job, ranks, line: str, cell: str, kept: str | None) -> None:

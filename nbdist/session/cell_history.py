@@ -49,6 +49,7 @@ class CellRecord:
     cell_id: str | None = None
     status: str = "running"  # how it ended: "finished", "failed", "interrupted", "lost"
     error_line: str = ""  # a failed cell's error, its first line
+    nprocs: int | None = None  # a one-shot cell: the fresh ranks it started (None: a session's cell)
 
     def follow(self, handle) -> CellRecord:
         """Take the cell's outcome from its handle when it ends, without keeping the handle (nor the
@@ -73,7 +74,9 @@ class CellRecord:
     @property
     def label(self) -> str:
         """How the export's header names it: the notebook's ``In [n]``, or the session's cell number."""
-        return f"In [{self.execution_count}]" if self.execution_count is not None else f"session cell {self.number}"
+        if self.execution_count is not None:
+            return f"In [{self.execution_count}]"
+        return f"one-shot cell {self.number}" if self.nprocs is not None else f"session cell {self.number}"
 
 
 class CellHistory:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from nbdist.session.cell_history import CellRecord
 
-__all__ = ["JobStep", "JobPlan", "plan_job", "write_job", "unexportable_reason"]
+__all__ = ["JobStep", "JobPlan", "plan_job", "plan_one_shot_job", "write_job", "unexportable_reason"]
 
 # What only the kernel has: a cell that reads one of these can't run in a job.
 _KERNEL_ONLY = {"_dist": "it reads _dist (the kernel's handle on a run)",
@@ -60,6 +60,8 @@ class JobPlan:
     notebook: str | None = None  # the notebook file, where the front end said
     runs: list = field(default_factory=list)  # (cellId, execution count, source) of every session cell, in order
     cells: tuple[int, int] | None = None  # the range asked for (--cells A-B)
+    origin: str = ""  # what was exported: "session <id>", or the notebook's one-shot cells
+    one_shot: bool = False  # the notebook's one-shot cells, not a session's
 
 
 def unexportable_reason(source: str) -> str | None:
@@ -81,22 +83,51 @@ def unexportable_reason(source: str) -> str | None:
 def plan_job(inc, cells: tuple[int, int] | None = None) -> JobPlan:
     """The job of ``inc``'s history (or of the cells numbered ``cells[0]``..``cells[1]``, by the
     notebook's execution count, else the session's cell number)."""
-    plan = JobPlan(inc.session_id, inc.nprocs, inc.options.backend, dict(inc.options.env or {}),
+    plan = _new_plan(f"session {inc.session_id}", inc.session_id, inc.nprocs, inc.options.backend,
+                     dict(inc.options.env or {}), cells)
+    _add_records(plan, inc.history.records())
+    return plan
+
+
+def plan_one_shot_job(records: list[CellRecord], nprocs: int | None = None,
+                      cells: tuple[int, int] | None = None) -> JobPlan:
+    """The job of a kernel's one-shot cells (no session): each a step run as on fresh ranks. The
+    job's rank count is ``nprocs``, else the one most of the cells that finished ran on; a cell that
+    ran on another count is left out, and said."""
+    ran = [r.nprocs for r in records if r.status == "finished"] or [r.nprocs for r in records] or [1]
+    nprocs = nprocs or max(set(ran), key=ran.count)
+    plan = _new_plan("the notebook's one-shot %%distributed cells (no session)", "one-shot", nprocs, "auto", {},
+                     cells)
+    plan.one_shot = True
+    _add_records(plan, records)
+    if plan.steps:
+        plan.notes.append("each one-shot cell ran on ranks started for it: the job runs them one after the other "
+                          "in one world (what an earlier cell made is still there; a cell that draws random "
+                          "numbers without a seed draws others, as a new run of it would)")
+    return plan
+
+
+def _new_plan(origin: str, session_id: str, nprocs: int, backend: str, env: dict,
+              cells: tuple[int, int] | None) -> JobPlan:
+    return JobPlan(session_id, nprocs, backend, env, origin=origin, cells=cells,
                    versions={"python": platform.python_version(), "torch": _version_of("torch"),
-                             "nbdist": _version_of("nbdist")}, cells=cells)
-    for record in inc.history.records():
+                             "nbdist": _version_of("nbdist")})
+
+
+def _add_records(plan: JobPlan, records: list[CellRecord]) -> None:
+    cells = plan.cells
+    for record in records:
         number = record.execution_count if record.execution_count is not None else record.number
         if cells is not None and not cells[0] <= number <= cells[1]:
             continue
         if record.what == "code":
             plan.runs.append((record.cell_id, record.execution_count, record.source))
-        why = _why_left_out(record)
+        why = _why_left_out(record, plan.nprocs)
         if why is not None:
             plan.left_out.append(f"{record.label}: {why}")
             plan.stopped |= record.status == "interrupted"
             continue
-        plan.steps.append(_step_of(record, inc.nprocs))
-    return plan
+        plan.steps.append(_step_of(record, plan.nprocs))
 
 
 def _version_of(package: str) -> str:
@@ -109,7 +140,7 @@ def _version_of(package: str) -> str:
         return "not installed"
 
 
-def _why_left_out(record: CellRecord) -> str | None:
+def _why_left_out(record: CellRecord, nprocs: int) -> str | None:
     status = record.status
     if status == "failed":
         return f"it failed{f' ({record.error_line})' if record.error_line else ''}"
@@ -120,6 +151,8 @@ def _why_left_out(record: CellRecord) -> str | None:
     if record.what == "values":
         return (f"it set {', '.join(record.value_names)} from code (Session.push/scatter); the job can't hold "
                 f"those values: set them in a cell")
+    if record.nprocs is not None and record.nprocs != nprocs:
+        return f"it ran on {record.nprocs} ranks of its own; the job runs on {nprocs} (--nprocs)"
     if record.what == "code":
         return unexportable_reason(record.source)
     return None
@@ -136,6 +169,8 @@ def _step_of(record: CellRecord, nprocs: int) -> JobStep:
     body = record.source
     if record.magic_line:
         label += f" · %%distributed {record.magic_line}".rstrip()
+    if record.nprocs is not None:
+        label += " · fresh ranks (one-shot)"
     return JobStep(label, body, ranks, dict(record.modules), record.pushed_file if record.notebook_values else None,
                    list(record.notebook_values), execution_count=record.execution_count, cell_id=record.cell_id)
 
@@ -153,7 +188,8 @@ def write_job(plan: JobPlan, path: str, launcher: str = "torchrun", nprocs: int 
     if not any(not s.notebook for s in plan.steps):
         where = f" among cells {plan.cells[0]}-{plan.cells[1]}" if plan.cells else ""
         none = ": it ran none there" if plan.cells else ": it has run none yet"
-        raise ValueError(f"no cell of the session{where} can be exported" +
+        of = "the notebook's %%distributed cells" if plan.one_shot else "the session"
+        raise ValueError(f"no cell of {of}{where} can be exported" +
                          (f" ({'; '.join(plan.left_out)})" if plan.left_out else none))
     stem = os.path.splitext(os.path.basename(path))[0]
     files = os.path.join(folder, f"{stem}_files")

@@ -48,13 +48,14 @@ def _header(plan, script: str, launcher: str, nprocs: int, nnodes: int) -> list[
     first = [launcher] if launcher in ways else []
     order = ["python"] + first + [k for k in ("torchrun", "srun", "mpirun") if k not in first]
     when = time.strftime("%Y-%m-%d %H:%M %Z")
-    lines = [f"Exported by nbdist {plan.versions.get('nbdist', '')} (%dist_export) from session {plan.session_id}, "
+    lines = [f"Exported by nbdist {plan.versions.get('nbdist', '')} (%dist_export) from {plan.origin}, "
              f"{when}" + (f", notebook {plan.notebook}" if plan.notebook else ""),
              "", f"Run it (each way runs the same cells on {nprocs} ranks):"]
     width = max(len(ways[k]) for k in order)
     lines += [f"  {ways[k].ljust(width)}  {notes[k]}".rstrip() for k in order]
     v = plan.versions
-    lines += ["", f"The session ran: Python {v.get('python')}, torch {v.get('torch')}, nbdist {v.get('nbdist')}; "
+    who = "The cells ran" if plan.one_shot else "The session ran"
+    lines += ["", f"{who}: Python {v.get('python')}, torch {v.get('torch')}, nbdist {v.get('nbdist')}; "
                   f"backend {plan.backend}; world size {plan.nprocs}"]
     if plan.env:
         lines.append("  --env " + " ".join(f"{k}={val}" for k, val in plan.env.items()))
@@ -107,7 +108,7 @@ def render_sbatch(plan, script: str, nprocs: int, nnodes: int) -> str:
     ways = run_lines(script, nprocs, nnodes)
     return "\n".join([
         "#!/bin/bash",
-        f"# The job of nbdist session {plan.session_id} ({script}): {nprocs} ranks on {nnodes} "
+        f"# The job of {plan.origin} ({script}): {nprocs} ranks on {nnodes} "
         f"node{'s' if nnodes > 1 else ''}. Submit with: sbatch {script.rsplit('.', 1)[0]}.sbatch",
         f"#SBATCH --job-name={script.rsplit('.', 1)[0]}",
         f"#SBATCH --nodes={nnodes}",
