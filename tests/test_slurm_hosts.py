@@ -62,3 +62,30 @@ def test_the_parser_agrees_with_scontrol(tmp_path, monkeypatch):
 def test_without_a_working_scontrol_the_parser_answers(monkeypatch):
     monkeypatch.setattr(slurm_hosts.shutil, "which", lambda name: "/bin/false")
     assert expand_hostlist("rack[1-2]-node[01-04]")[:2] == ["rack1-node01", "rack1-node02"]
+
+
+def test_a_task_waits_past_an_earlier_step_s_record_for_its_own(tmp_path):
+    """A step that died before every task joined leaves task 0's record; a later step with the same
+    ids (Slurm numbers jobs afresh after a reinstall) must wait for its own task 0's, not connect to
+    a store that is gone (a 5-minute hang)."""
+    import threading
+    import time
+
+    from nbdist.launchers.attach import written_since_start
+    from nbdist.launchers.world_key import read_private_record, write_private_record
+
+    name = "slurm-7.0.store"
+    write_private_record(str(tmp_path), name, {"addr": "old", "port": 1, "key": "00", "written": time.time() - 3600})
+    t0 = time.monotonic()
+    assert read_private_record(str(tmp_path / name), 0.5, fresh=written_since_start) is None
+    assert time.monotonic() - t0 >= 0.5  # it waited its deadline for a fresh one, and no longer
+    later = threading.Timer(0.3, write_private_record,
+                            (str(tmp_path), name, {"addr": "new", "port": 2, "key": "00", "written": time.time()}))
+    later.start()
+    try:
+        found = read_private_record(str(tmp_path / name), 10, fresh=written_since_start)
+    finally:
+        later.join()
+    assert found is not None and found["addr"] == "new"
+    # A record without the field (an older nbdist's) is taken as an earlier step's.
+    assert not written_since_start({"addr": "x"})

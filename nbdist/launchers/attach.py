@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import time
 
 from nbdist.errors import LaunchConfigError, RankFailure, RunStoppedError, WorkerFailedError
 from nbdist.launchers.kernel_comm import MpiComm, StopWatch, StoreComm, TorchComm, next_round
@@ -29,6 +30,9 @@ __all__ = ["run_attached", "join_world", "run_round", "kernel_comm", "mpi_world"
 KEEP = {"rendezvous": None, "hosted": None, "slurm_store": None, "slurm_key": None, "slurm_record": None,
         "agent_store": None, "comm": None}
 SLURM_RECORD_WAIT_S = 60.0  # NFS shows task 0's record within its attribute cache time
+# A step's tasks start within seconds of each other; a record older than this before this task
+# began is an earlier step's (a clock a little apart across nodes is within it).
+STALE_RECORD_SLACK_S = 120.0
 
 
 def mpi_world():
@@ -122,21 +126,32 @@ def slurm_store(rank: int, size: int):
 
             key = new_world_key()
             port = hosted.master_port
-            write_private_record(folder, record, {"addr": addr, "port": port, "key": key.hex()})
+            write_private_record(folder, record,
+                                 {"addr": addr, "port": port, "key": key.hex(), "written": time.time()})
             KEEP["slurm_key"], KEEP["slurm_record"] = key, os.path.join(folder, record)
     else:
         if folder:
-            found = read_private_record(os.path.join(folder, record), SLURM_RECORD_WAIT_S)
+            found = read_private_record(os.path.join(folder, record), SLURM_RECORD_WAIT_S,
+                                        fresh=written_since_start)
             if found is None:
                 raise LaunchConfigError(
-                    f"task {rank} of this Slurm step can't see {os.path.join(folder, record)}, where task 0 says "
-                    f"where its store is: set NBDIST_SHARED_DIR to a folder every node of the job sees "
-                    f"(or MASTER_ADDR/MASTER_PORT)")
+                    f"task {rank} of this Slurm step can't see {os.path.join(folder, record)} (or sees only an "
+                    f"earlier step's), where task 0 says where its store is: set NBDIST_SHARED_DIR to a folder "
+                    f"every node of the job sees (or MASTER_ADDR/MASTER_PORT)")
             addr, port, KEEP["slurm_key"] = found["addr"], int(found["port"]), bytes.fromhex(found["key"])
         store = dist.TCPStore(addr, port, size, is_master=False, timeout=datetime.timedelta(minutes=5))
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
     KEEP["slurm_store"] = store
     return store
+
+
+def written_since_start(record: dict, slack: float = STALE_RECORD_SLACK_S) -> bool:
+    """Whether task 0's record was written for this step, not left by an earlier one with the same
+    ids (a step that died before every task joined; Slurm numbers jobs afresh after a reinstall):
+    task 0 writes it once it runs, so never long before this task began."""
+    import psutil
+
+    return float(record.get("written", 0)) >= psutil.Process().create_time() - slack
 
 
 def _join_group_slurm(rank, size, backend):

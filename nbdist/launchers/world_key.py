@@ -66,22 +66,25 @@ def write_private_record(folder: str, name: str, record: dict) -> str:
     return path
 
 
-def read_private_record(path: str, timeout: float) -> dict | None:
+def read_private_record(path: str, timeout: float, fresh=None) -> dict | None:
     """The JSON record at ``path`` once it exists (waiting up to ``timeout``), if it is the user's own
-    regular file that nobody else can read or write; None otherwise."""
+    regular file that nobody else can read or write; None otherwise. With ``fresh(record)``, a
+    record it refuses is an old one, left by an earlier writer: the wait goes on for the new one."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             st = os.lstat(path)
-            break
-        except FileNotFoundError:
-            if time.monotonic() > deadline:
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
                 return None
-            time.sleep(0.1)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    with open(path) as fh:
-        return json.load(fh)
+            with open(path) as fh:
+                record = json.load(fh)
+            if fresh is None or fresh(record):
+                return record
+        except (FileNotFoundError, ValueError):  # not there yet, or being replaced
+            pass
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
 
 
 def agree_world_key(rank: int, exchange, env=os.environ) -> bytes | None:
