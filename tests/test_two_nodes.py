@@ -90,6 +90,11 @@ with nbdist.Session(nprocs=2, launcher="torchrun", nnodes=2, node_rank=node, mas
     except Exception as e:
         out["next"] = type(e).__name__ + ": " + str(e).splitlines()[0]
     out.update(next_s=time.monotonic() - t0, sid=s.session_id)
+    try:  # the dead ranks were on another node, under torchrun: no heal, said in one line
+        s.heal()
+        out["heal"] = "healed"
+    except Exception as e:
+        out["heal"] = type(e).__name__ + ": " + str(e)
 print("RESULT " + json.dumps(out), flush=True)
 """
 
@@ -134,6 +139,8 @@ def test_a_kernel_sigkilled_on_one_node_ends_its_tree_and_the_other_node_says_so
     assert node0["status"] == "broken" and node0["lost_s"] < 25, node0
     assert "node 1's part of the world stopped answering" in node0["lost"], node0
     assert node0["next"].startswith("SessionLostError") and node0["next_s"] < 2, node0
+    assert node0["heal"].startswith("RuntimeError: nbdist can't heal ranks that torchrun started"), node0
+    assert "\n" not in node0["heal"] and "restart() brings new ranks" in node0["heal"], node0
     wait_for(lambda: not marked_pids(node0["sid"]), 10, what="node 0's session tree to go")
 
 
