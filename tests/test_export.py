@@ -130,13 +130,22 @@ for step in range(STEPS):
 """
 CHECKSUM = ("%%distributed --view text\n"
             "print('checksum', repr(sum(p.double().sum().item() for p in model.parameters())))\n")
+# The default group's collective timeout, on a session's re-formable group or on torch's own: the
+# job must wait on a stuck peer as long as the session did.
+TIMEOUT = """%%distributed --view text
+import torch.distributed.distributed_c10d as c10d
+from nbdist.worker.reformable_groups import live_groups
+groups = live_groups()
+print("timeout", groups[0]._timeout if groups else
+      c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout)
+"""
 
 
 def test_a_ddp_session_exported_ends_with_the_same_parameters(kernel, tmp_path):
     assert kernel.run("STEPS = 3", cell_id="steps").status == "ok"
     assert kernel.run("%dist_start -n 2").status == "ok"
     said = {}
-    for i, cell in enumerate((DDP, TRAIN, TRAIN, CHECKSUM)):
+    for i, cell in enumerate((DDP, TRAIN, TRAIN, CHECKSUM, TIMEOUT)):
         res = kernel.run(cell, cell_id=f"ddp-{i}")
         assert res.status == "ok", res.error_text + res.stdout
         for rank, lines in _rank_lines(res.stdout, SESSION_PREFIX).items():
@@ -146,6 +155,7 @@ def test_a_ddp_session_exported_ends_with_the_same_parameters(kernel, tmp_path):
                     "train.py"], tmp_path)
     got = _rank_lines(out.stdout, r"^\[default(\d+)\]:(.*)$")
     assert got == said, f"{got}\n{said}"
+    assert [line for line in said[0] if line.startswith("timeout")] == ["timeout 0:30:00"], said
     checksum = [line for line in said[0] if line.startswith("checksum")]
     assert checksum and checksum == [line for line in got[1] if line.startswith("checksum")]
     print(f"DDP across the boundary: {checksum[0]} in the session and under torchrun; "

@@ -81,7 +81,8 @@ def test_a_session_whose_rank_never_connects_says_which_and_where_within_its_dea
     t0 = time.monotonic()
     s = nbdist.Session(nprocs=2, start_method=start, start_timeout=12)
     try:
-        wait_for(lambda: s.rank_run is not None and 1 in s.rank_run.pids, 30, what="rank 1 to exist")
+        # Polled each millisecond: a warm rank connects within some tens of them after its fork.
+        wait_for(lambda: s.rank_run is not None and 1 in s.rank_run.pids, 30, interval=0.001, what="rank 1 to exist")
         frozen = s.rank_run.pids[1]
         os.kill(frozen, signal.SIGSTOP)
         with pytest.raises(SessionLostError) as info:

@@ -478,3 +478,30 @@ def test_close_and_parent_death_leave_nothing(run_script, tmp_path):
     t0 = time.monotonic()
     wait_for(lambda: not marked_pids(sid), 3.0, what="the session's ranks and their workers to die with the kernel")
     print(f"kernel SIGKILL -> session gone in {time.monotonic() - t0:.2f} s")
+
+
+SLOW_MODULE = """import builtins, os, time
+# What torch's operator library does as it imports: a registration that can't be made twice.
+assert not hasattr(builtins, "_slow_module_ran"), "imported twice: an earlier import was cut half-way"
+builtins._slow_module_ran = True
+open(os.path.join(os.environ["BEGAN_DIR"], f"began.{os.environ['RANK']}"), "w").close()
+for _ in range(40):
+    time.sleep(0.03)
+DONE = True
+"""
+
+
+def test_a_stop_inside_an_import_waits_for_the_import_to_end(session, tmp_path):
+    """A stop that lands while a cell imports a module (a first optimizer step imports torch._dynamo)
+    waits for the import to end: a half-done import can't be taken back, and the rank's next import
+    of it would fail for good."""
+    (tmp_path / "slow_module.py").write_text(SLOW_MODULE)
+    session.execute(f"import os, sys\nsys.path.insert(0, {str(tmp_path)!r})\nos.environ['BEGAN_DIR'] = {str(tmp_path)!r}")
+    cell = session.execute("import slow_module\nwhile True:\n    pass", join=False)
+    wait_began(tmp_path, 2)
+    t0 = time.monotonic()
+    cell.interrupt()
+    with pytest.raises(RunStoppedError, match="idle again, their state kept"):
+        cell.wait()
+    print(f"a stop inside a 1.2 s import: idle ranks {time.monotonic() - t0:.2f} s later")
+    assert session.execute("import slow_module\nslow_module.DONE") == {0: True, 1: True}

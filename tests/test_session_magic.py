@@ -259,3 +259,19 @@ def test_a_payload_leaves_out_the_sources_the_ranks_hold(tmp_path):
         assert cell not in again and cell not in pickle.load(open(tmp_path / "payload.pkl", "rb"))["sources"]
     finally:
         linecache.cache.pop(cell, None)
+
+
+def test_a_name_bound_inside_a_session_cell_s_function_keeps_the_notebook_s_value_coming():
+    """A cell's function binds ``x`` in its own scope: that is no name of the ranks, so a later cell
+    that reads the notebook's ``x`` is sent it (it met a NameError while the magic took every name
+    bound anywhere in a cell for the ranks')."""
+    with nbdist_kernel("warm") as k:
+        assert k.run("%dist_start -n 2").status == "ok"
+        res = k.run("%%distributed --view text\ndef total(n):\n    x = 0\n    for i in range(n):\n"
+                    "        x += i\n    return x\nprint('total', total(4))")
+        assert res.status == "ok" and "[rank 1] total 6" in res.stdout, res.error_text + res.stdout
+        assert k.run("x = 41").status == "ok"
+        res = k.run("%%distributed --view text\nprint('x', x + 1)")
+        assert res.status == "ok" and "[rank 0] x 42" in res.stdout and "[rank 1] x 42" in res.stdout, \
+            res.error_text + res.stdout
+        k.run("%dist_stop")

@@ -42,14 +42,44 @@ def find_read_names(tree: ast.Module) -> set[str]:
 
 
 def find_defined_names(tree: ast.Module) -> set[str]:
-    """Names the cell binds at its top level (assignments, defs, classes, imports, loop targets):
-    in a session they live on the ranks after the cell."""
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            names.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
-    return names
+    """Names the cell binds at its top level (assignments, defs, classes, imports, loop targets,
+    ``except ... as``, names a function declares ``global``): in a session they live on the ranks
+    after the cell. Not the names bound inside a function, a class body or a comprehension: they
+    are that scope's own, and taking them for the ranks' would keep the notebook's value of the
+    same name from a later cell."""
+    binder = _TopLevelBinder()
+    binder.visit(tree)
+    return binder.names
+
+
+class _TopLevelBinder(ast.NodeVisitor):
+    def __init__(self):
+        self.names: set[str] = set()
+
+    def visit_Name(self, node: ast.Name) -> None:
+        if isinstance(node.ctx, ast.Store):
+            self.names.add(node.id)
+
+    def _scope(self, node) -> None:
+        """A def or class binds its name here; its body is a scope of its own."""
+        self.names.add(node.name)
+        for decorator in node.decorator_list:
+            self.visit(decorator)
+        self.names.update(n for g in ast.walk(node) if isinstance(g, ast.Global) for n in g.names)
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scope
+
+    def _own_scope(self, node) -> None:
+        """A lambda's or comprehension's variables are its own."""
+
+    visit_Lambda = visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = _own_scope
+
+    def visit_Import(self, node) -> None:
+        self.names.update((a.asname or a.name).split(".")[0] for a in node.names if a.name != "*")
+
+    visit_ImportFrom = visit_Import
+
+    def visit_ExceptHandler(self, node: ast.ExceptHandler) -> None:
+        if node.name:
+            self.names.add(node.name)
+        self.generic_visit(node)

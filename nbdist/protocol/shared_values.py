@@ -147,11 +147,16 @@ def dump_shared(value, what: str, local: bool = True) -> SharedValue:
 def reshare(shared: SharedValue) -> SharedValue:
     """Another process's shared value, handed on by this one without a copy: this process opens the
     writer's memfds (descriptors of its own, to the same memory), so a further reader can map them
-    after the writer let go. The caller closes it (:meth:`SharedValue.close`) as its writer would."""
+    after the writer let go. The caller closes it (:meth:`SharedValue.close`) as its writer would.
+    OSError where the writer is gone, or no longer holds the value: the caller copies it instead."""
     fds: list[int] = []
     try:
-        for fd in shared.fds:
-            fds.append(os.open(f"/proc/{shared.pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC))
+        for fd, size in zip(shared.fds, shared.sizes):
+            path = f"/proc/{shared.pid}/fd/{fd}"
+            fds.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+            # The writer may have let go already and given the number to another file: refuse that.
+            if not os.readlink(path).startswith("/memfd:nbdist-value") or os.fstat(fds[-1]).st_size != size:
+                raise FileNotFoundError(f"{path} is no longer the value's memory")
     except BaseException:
         for fd in fds:
             os.close(fd)

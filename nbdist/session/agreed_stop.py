@@ -29,12 +29,17 @@ from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import STOP_COUNTS_FILE, STOP_POINT_FILE, STOP_REQUEST
 from nbdist.protocol.signals import STOP_POINT_SIGNAL
 
-__all__ = ["AgreedStop", "agree_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S", "STUCK_WAIT_S"]
+__all__ = ["AgreedStop", "agree_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S", "STUCK_WAIT_S",
+           "IMPORT_WINDOW_S"]
 
 REPORT_WITHIN_S = 0.3  # a rank's signal thread answers in ms; one that doesn't in this is not agreed with
 WINDOW_MIN_S = 0.05  # a cell that issued no collective yet is not likely to: stop it soon
 WINDOW_MAX_S = 1.0  # with the release after it (0.5 s), a rank stuck in C is idle within 2 s
 STUCK_WAIT_S = 0.1  # every busy rank waits in a collective at least this long: none will move
+# A rank whose cell is inside an import can't be stopped there (nbdist.worker.import_guard): it gets
+# this long to finish it (a first optimizer step imports torch._dynamo: 2 s on a busy 2-core box)
+# and reach the point, where it stops with its peers instead of where it was.
+IMPORT_WINDOW_S = 5.0
 _GAPS = 3.0  # wait for the next collective this many of the cell's longest gaps between two
 _POLL_S = 0.005
 
@@ -117,9 +122,12 @@ def _publish(inc, cell, point: dict | None) -> None:
 def _window(reports: dict) -> float:
     """How long to wait for the ranks to reach the point: a few of the cell's longest gaps between
     two collectives (its own pace), bounded both ways; none when every rank has waited a while in
-    an op that has not completed (each in a recv, or left by a peer that raised): no rank can move."""
+    an op that has not completed (each in a recv, or left by a peer that raised): no rank can move;
+    :data:`IMPORT_WINDOW_S` when a rank's cell is inside an import."""
     if all(r.get("waiting_s") is not None and r["waiting_s"] >= STUCK_WAIT_S for r in reports.values()):
         return 0.0
+    if any(r.get("importing") for r in reports.values()):
+        return IMPORT_WINDOW_S
     if not any(r.get("collectives") for r in reports.values()):
         return WINDOW_MIN_S
     gaps = [r["gap"] for r in reports.values() if r.get("gap") is not None]

@@ -56,9 +56,9 @@ class CellRecord:
         values it holds: a history lives as long as the session's ranks)."""
         from nbdist.run.events import TERMINAL, RunEvent
 
-        def on_event(event) -> None:
-            ended = event.status in TERMINAL or event.status == "lost"
-            if isinstance(event, RunEvent) and event.rank is None and ended:
+        def on_event(event) -> None:  # a run's output chunks come this way too
+            if isinstance(event, RunEvent) and event.rank is None and (event.status in TERMINAL or
+                                                                        event.status == "lost"):
                 self._settle(event.status, event.detail)
 
         handle.subscribe(on_event, replay=False)

@@ -216,7 +216,12 @@ def _copy_namespace(inc, report: HealReport, survivors: list[int]) -> None:
     # The tensors' bytes: written once by the donor into its memfds (pickle-5 buffers), which the
     # kernel opens and hands on to the new ranks to map: no second copy, no file, no socket. The
     # donor lets go of its own at the kernel's next message; the kernel's descriptors keep them.
-    shared = reshare(sent) if sent is not None else dump_shared(exported, "the heal's copy", local=True)
+    try:
+        shared = reshare(sent) if sent is not None else None
+    except OSError:  # the donor died since it answered: its memory is still mapped here, copied once more
+        shared = None
+    if shared is None:
+        shared = dump_shared(exported, "the heal's copy of the donor's names", local=True)
     try:
         call_on_ranks(inc, namespace_copy.import_shared_names, shared, ranks=report.healed)
     finally:

@@ -25,6 +25,7 @@ import threading
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared, load_shared
+from nbdist.worker import import_guard
 from nbdist.worker.kernel_connect import connect_to_kernel
 from nbdist.worker.rank_signals import RunningCell, answer_signals, stop_asked as _stop_asked
 from nbdist.worker.rank_signals import torch_groups_in_use as _torch_groups_in_use
@@ -64,7 +65,8 @@ def _on_sigint(signum, frame):
     that comes while user code writes to the kernel (a ``display()`` of a big figure goes as a
     header and a body) is held until the message is whole, so the channel never tears. One that
     comes before the cell's code began (the stop pressed as the cell was sent) is noted: the cell
-    then stops as it begins, if the stop was for it."""
+    then stops as it begins, if the stop was for it. One that lands inside an import waits for it
+    to end (:mod:`nbdist.worker.import_guard`)."""
     global _STOPPED, _STOP_HELD, _MISSED_STOP
     if not _IN_USER_CODE:
         _MISSED_STOP = True
@@ -73,6 +75,9 @@ def _on_sigint(signum, frame):
         if _WRITING:
             _STOP_HELD = True
             return
+        cell = _CELL_DIR
+        if import_guard.hold(frame, lambda: _IN_USER_CODE and _CELL_DIR == cell):
+            return  # an import can't be taken back: the stop comes again as it ends
         raise KeyboardInterrupt
 
 

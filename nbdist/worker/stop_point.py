@@ -24,9 +24,12 @@ send's peer is one rank, not the group). Standard library only; the groups are p
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from nbdist.worker.import_guard import importing_in_cell
 
 __all__ = ["StoppedAtCollective", "POINT_WAIT_S", "begin_cell", "end_cell", "claim", "report_counts", "load_point",
            "was_hit", "take_hit"]
@@ -114,7 +117,9 @@ def report_counts(cell_dir: str, path: str, rank: int, groups, recent) -> bool:
     waiting = [c.started for c in recent if c.state == "waiting" or (c.state == "issued" and c.op in _POINT_TO_POINT)]
     report = {"rank": rank, "counts": counts, "collectives": len(starts), "gap": max(gaps, default=None),
               "since_last": now - starts[-1] if starts else now - _CELL_STARTED,
-              "waiting_s": now - min(waiting) if waiting else None}
+              "waiting_s": now - min(waiting) if waiting else None,
+              # A cell's import can't be stopped inside (nbdist.worker.import_guard): the kernel waits longer.
+              "importing": importing_in_cell(sys._current_frames().get(threading.main_thread().ident))}
     from nbdist.protocol.rundir import write_private
 
     write_private(path, json.dumps(report).encode())
