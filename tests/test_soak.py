@@ -19,7 +19,13 @@ FIXED_SEED = 20261203
 # the donor had, so a later stop compared one optimizer's steps with another's ("apart").
 # 446660353: with 2 ranks, the last survivor killed during a heal left only the replacement alive,
 # and the heal waited out its 90 s connect deadline (rank_deaths.note_rank_death, healing._undo).
-REGRESSIONS: list[int] = [559694983, 446660353, 135951848]
+REGRESSIONS: list = [559694983, 446660353, 135951848,
+                     # Open: a rank still in its first FSDP step's compute (Adam's first step, its lazy
+                     # state) when the stop comes gets 0.05 s to reach the agreed point, then is stopped
+                     # where it is, one optimizer step behind its peer. Timing-bound: not every run fails.
+                     pytest.param(483411490, marks=pytest.mark.xfail(
+                         reason="a rank behind the stop point in a long compute is stopped where it is",
+                         strict=False))]
 
 
 def _random_seed() -> int:
