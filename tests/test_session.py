@@ -497,11 +497,15 @@ def test_a_stop_inside_an_import_waits_for_the_import_to_end(session, tmp_path):
     of it would fail for good."""
     (tmp_path / "slow_module.py").write_text(SLOW_MODULE)
     session.execute(f"import os, sys\nsys.path.insert(0, {str(tmp_path)!r})\nos.environ['BEGAN_DIR'] = {str(tmp_path)!r}")
-    cell = session.execute("import slow_module\nwhile True:\n    pass", join=False)
+    # A second import right after the first: the stop, sent again as the first ends, lands in it.
+    (tmp_path / "slow_module_2.py").write_text(SLOW_MODULE.replace("_slow_module_ran", "_slow_module_2_ran")
+                                               .replace("began.", "began2."))
+    cell = session.execute("import slow_module\nimport slow_module_2\nwhile True:\n    pass", join=False)
     wait_began(tmp_path, 2)
     t0 = time.monotonic()
     cell.interrupt()
     with pytest.raises(RunStoppedError, match="idle again, their state kept"):
         cell.wait()
     print(f"a stop inside a 1.2 s import: idle ranks {time.monotonic() - t0:.2f} s later")
-    assert session.execute("import slow_module\nslow_module.DONE") == {0: True, 1: True}
+    assert session.execute("import slow_module, slow_module_2\nslow_module.DONE and slow_module_2.DONE") == \
+        {0: True, 1: True}

@@ -27,6 +27,7 @@ __all__ = ["hold", "importing", "importing_in_cell", "IMPORT_HOLD_S"]
 IMPORT_HOLD_S = 30.0  # past this, a stop held for an import is delivered inside it anyway
 _POLL_S = 0.01
 _held_since: float | None = None  # when the stop now held was first held (None: none is)
+_watching = False  # a watcher waits to send it again (the next SIGINT may land in the cell's next import)
 
 
 def importing(frame) -> bool:
@@ -55,13 +56,15 @@ def hold(frame, still_wanted) -> bool:
     """In the SIGINT handler (main thread), for the interrupted ``frame``: True when the stop must
     wait for an import to end; SIGINT then comes again once it has, if ``still_wanted()`` (the same
     cell still runs). False: raise it now (no import, or one held past :data:`IMPORT_HOLD_S`)."""
-    global _held_since
+    global _held_since, _watching
     now = time.monotonic()
     if not importing(frame) or (_held_since is not None and now - _held_since > IMPORT_HOLD_S):
         _held_since = None
         return False
     if _held_since is None:
         _held_since = now
+    if not _watching:  # also for a re-sent stop that landed in the next import: it waits for that one
+        _watching = True
         threading.Thread(target=_deliver_after_import,
                          args=(threading.main_thread().ident, still_wanted),
                          name="nbdist-stop-after-import", daemon=True).start()
@@ -69,7 +72,7 @@ def hold(frame, still_wanted) -> bool:
 
 
 def _deliver_after_import(main_ident: int, still_wanted) -> None:
-    global _held_since
+    global _held_since, _watching
     deadline = time.monotonic() + IMPORT_HOLD_S
     while time.monotonic() <= deadline:
         frame = sys._current_frames().get(main_ident)
@@ -78,6 +81,7 @@ def _deliver_after_import(main_ident: int, still_wanted) -> None:
         time.sleep(_POLL_S)
     else:
         time.sleep(_POLL_S)  # past the deadline: hold() lets the next one through
+    _watching = False
     if not still_wanted():
         _held_since = None
         return
