@@ -246,3 +246,58 @@ def test_where_nbdist_cant_heal_it_says_so_in_one_line(kernel):
     said = next(line for line in res.stderr.splitlines() if "UsageError" in line)
     assert "nothing to heal" in said and "every rank is alive" in said, said
     kernel.run("%dist_stop")
+
+
+def test_the_reader_takes_a_healed_ranks_channel_even_where_it_has_the_dead_ones_id():
+    """The reply reader knew its channels by ``id()``: the dead rank's, once freed, lent its id to the
+    healed rank's, which the reader took for one it had already read; the heal's first call to the
+    new rank then waited out its deadline (soak seed 446660353). A channel at the same address as
+    the dead one's must be read."""
+    import threading
+    import types
+    from multiprocessing.connection import Pipe
+
+    from nbdist.session.reply_reader import ReaderWake, read_replies
+
+    shown, went = [], []
+    cell = types.SimpleNamespace(cell_id=7, feed_display=lambda rank, data, meta: shown.append((rank, data)))
+    inc = types.SimpleNamespace(
+        conns={}, ended=False, reader_wake=ReaderWake(), active=cell, lock=threading.Lock(), world=None,
+        status="idle", rank_run=types.SimpleNamespace(saw_rank_go=went.append),
+        lose=lambda why: pytest.fail(why), restart_hint="")
+    ours0, theirs0 = Pipe()
+    ours1, theirs1 = Pipe()
+    inc.conns = {0: ours0, 1: ours1}
+    reader = threading.Thread(target=read_replies, args=(inc,), daemon=True)
+    reader.start()
+    dead_id = id(ours1)
+    theirs1.close()  # rank 1 dies: the reader reads its end, the death pops its channel
+    wait_for(lambda: went == [1], 5, what="the reader to see rank 1 go")
+    theirs0.send(("display", 0, 7, {"text/plain": "rank 0"}, {}))  # the reader's last read is rank 0's
+    wait_for(lambda: len(shown) == 1, 5, what="rank 0's message to be read")
+    del inc.conns[1]
+    del ours1
+    # The heal's new channel, made until one sits where the dead one did (CPython reuses the block
+    # at once where nothing holds the dead one: the reader's old dict of ids did not; it now holds
+    # the channel itself until it has taken the new one, so no id is shared and none is reused).
+    spare, reused = [], False
+    for _ in range(100):
+        ours, theirs = Pipe()
+        if dead_id in (id(ours), id(theirs)):
+            ours, theirs = (ours, theirs) if id(ours) == dead_id else (theirs, ours)
+            reused = True
+            break
+        spare.append((ours, theirs))
+    inc.conns[1] = ours
+    inc.reader_wake.wake()
+    theirs.send(("display", 1, 7, {"text/plain": "hello from the healed rank"}, {}))
+    wait_for(lambda: len(shown) == 2, 5, what=f"the healed rank's message to be read (id reused: {reused})")
+    assert [r for r, _ in shown] == [0, 1] and went == [1]
+    inc.ended = True
+    theirs0.close()
+    theirs.close()
+    reader.join(5)
+    assert not reader.is_alive()
+    for pair in spare:
+        for conn in pair:
+            conn.close()

@@ -167,6 +167,41 @@ def test_the_deadline_wins_over_a_rank_in_a_long_compute(three, tmp_path):
     assert all(v == v for v in losses.values())
 
 
+def test_a_rank_behind_the_point_in_a_first_steps_compute_reaches_it(three, tmp_path):
+    """Rank 2 computes 0.3 s once (a first optimizer step building its lazy state, say) while its
+    peers already wait in the next all_reduce: the cell's own pace would give it 0.05 s and stop it
+    where it is, a step behind (soak seed 483411490); behind the point, it gets long enough to
+    reach it, and every rank stops there."""
+    three.execute(DDP_LOOP + f"import os\nflag = {str(tmp_path / 'flag')!r}\nslept = False")
+    code = ("while True:\n    step()\n    if rank == 2 and not slept and os.path.exists(flag):\n"
+            "        slept = True\n        open(flag + '.in', 'w').close()\n        time.sleep(0.3)")
+    cell = three.execute(began(code, tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 3)
+    (tmp_path / "flag").touch()
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "flag.in").exists():
+        assert time.monotonic() < deadline, "rank 2 never began its long compute"
+        time.sleep(0.002)
+    took, report = stop(cell, 0.0)
+    assert "ranks 0-2 stopped before all_reduce #" in report and "the point they agreed on" in report, report
+    assert took < 2.0, f"idle in {took:.2f} s"
+    assert len(set(map(repr, three.execute("replica()").values()))) == 1
+
+
+def test_the_window_is_longer_for_a_rank_behind_the_point():
+    from nbdist.session.agreed_stop import BEHIND_WINDOW_S, WINDOW_MIN_S, _window
+
+    def report(count, waiting=None):
+        return {"counts": {"g": count}, "collectives": 5, "gap": 0.001, "waiting_s": waiting, "importing": False}
+
+    in_step = {0: report(7), 1: report(7)}
+    assert _window(in_step, {"g": 7}) == WINDOW_MIN_S
+    behind = {0: report(8, waiting=0.2), 1: report(7)}
+    assert _window(behind, {"g": 8}) == BEHIND_WINDOW_S
+    stuck = {0: report(8, waiting=0.2), 1: report(7, waiting=0.2)}
+    assert _window(stuck, {"g": 8}) == 0.0  # nobody can move: no wait at all
+
+
 @both_starts
 def test_replicas_made_to_differ_by_a_ranks_cell_are_resynced_with_dist_sync(three):
     """A ``--ranks`` cell trains rank 0 alone: its parameters and Adam's state move, rank 2 gets a

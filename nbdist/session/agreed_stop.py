@@ -10,7 +10,8 @@ the ranks (:mod:`nbdist.worker.stop_point` has the rank's half and the why):
 2. The point is the highest count per group. The kernel writes it and signals again; each rank
    raises as it is about to issue a collective beyond it. Ranks behind the point catch up first.
 3. Ranks that reach no collective within the window (a loop without collectives, a long compute)
-   get the SIGINT where they are, as before, and the cell says which replicas may differ.
+   get the SIGINT where they are, as before, and the cell says which replicas may differ. A rank
+   behind the point gets a longer window: its peers already issued what it computes towards.
 
 The window follows the cell's own pace (a few of its longest gaps between collectives), within
 :data:`WINDOW_MIN_S` and :data:`WINDOW_MAX_S`, so that a stop still reaches idle within 2 s. Only
@@ -30,7 +31,7 @@ from nbdist.protocol.session_channel import STOP_COUNTS_FILE, STOP_POINT_FILE, S
 from nbdist.protocol.signals import STOP_POINT_SIGNAL
 
 __all__ = ["AgreedStop", "agree_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S", "STUCK_WAIT_S",
-           "IMPORT_WINDOW_S"]
+           "IMPORT_WINDOW_S", "BEHIND_WINDOW_S"]
 
 REPORT_WITHIN_S = 0.3  # a rank's signal thread answers in ms; one that doesn't in this is not agreed with
 WINDOW_MIN_S = 0.05  # a cell that issued no collective yet is not likely to: stop it soon
@@ -40,6 +41,10 @@ STUCK_WAIT_S = 0.1  # every busy rank waits in a collective at least this long: 
 # this long to finish it (a first optimizer step imports torch._dynamo: 2 s on a busy 2-core box)
 # and reach the point, where it stops with its peers instead of where it was.
 IMPORT_WINDOW_S = 5.0
+# A rank behind the point computes towards a collective its peers already issued: it will get
+# there, only later than the cell's pace says where that compute is a first step (Adam's lazy state,
+# FSDP's first all-gathers: soak seed 483411490). Half a second, so a stop is still idle within 2 s.
+BEHIND_WINDOW_S = 0.5
 _GAPS = 3.0  # wait for the next collective this many of the cell's longest gaps between two
 _POLL_S = 0.005
 
@@ -79,7 +84,7 @@ def agree_stop_point(inc, cell) -> AgreedStop | None:
         for group, count in report["counts"].items():
             point[group] = max(point.get(group, 0), count)
     _publish(inc, cell, point)
-    return AgreedStop(point, _window(reports), {r: rep["counts"] for r, rep in reports.items()},
+    return AgreedStop(point, _window(reports, point), {r: rep["counts"] for r, rep in reports.items()},
                       time.monotonic() - started)
 
 
@@ -119,17 +124,20 @@ def _publish(inc, cell, point: dict | None) -> None:
         _signal(inc, cell.busy_ranks())
 
 
-def _window(reports: dict) -> float:
+def _window(reports: dict, point: dict) -> float:
     """How long to wait for the ranks to reach the point: a few of the cell's longest gaps between
     two collectives (its own pace), bounded both ways; none when every rank has waited a while in
     an op that has not completed (each in a recv, or left by a peer that raised): no rank can move;
-    :data:`IMPORT_WINDOW_S` when a rank's cell is inside an import."""
+    :data:`IMPORT_WINDOW_S` when a rank's cell is inside an import; at least :data:`BEHIND_WINDOW_S`
+    when a rank is behind the point."""
     if all(r.get("waiting_s") is not None and r["waiting_s"] >= STUCK_WAIT_S for r in reports.values()):
         return 0.0
     if any(r.get("importing") for r in reports.values()):
         return IMPORT_WINDOW_S
+    behind = any(any(r["counts"].get(g, 0) < p for g, p in point.items()) for r in reports.values())
+    least = BEHIND_WINDOW_S if behind else WINDOW_MIN_S
     if not any(r.get("collectives") for r in reports.values()):
-        return WINDOW_MIN_S
+        return least
     gaps = [r["gap"] for r in reports.values() if r.get("gap") is not None]
     pace = max(gaps, default=WINDOW_MIN_S)
-    return min(WINDOW_MAX_S, max(WINDOW_MIN_S, _GAPS * pace))
+    return min(WINDOW_MAX_S, max(least, _GAPS * pace))

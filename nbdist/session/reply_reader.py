@@ -37,13 +37,20 @@ class ReaderWake:
 
 def read_replies(inc) -> None:
     """Read ``inc``'s ranks' replies until it ends (or no rank is left to read)."""
-    ranks: dict[int, int] = {}  # id(conn) -> rank
+    # conn -> rank, keyed by the connection itself: an ended rank's connection, once freed, may lend
+    # its id() to the healed rank's, which a dict of ids then took for one it already read (the
+    # heal's first call to the new rank waited out its deadline: soak seed 446660353).
+    ranks: dict = {}
     live: list = []
 
     def take_new_ranks() -> None:
-        for rank, conn in list(inc.conns.items()):
-            if id(conn) not in ranks:
-                ranks[id(conn)] = rank
+        current = list(inc.conns.items())
+        held = [conn for _, conn in current]
+        for conn in [c for c in ranks if c not in live and c not in held]:
+            del ranks[conn]  # read to its end, and no longer the session's: never taken again
+        for rank, conn in current:
+            if conn not in ranks:
+                ranks[conn] = rank
                 live.append(conn)
 
     take_new_ranks()
@@ -53,11 +60,13 @@ def read_replies(inc) -> None:
                 inc.reader_wake.drain()
                 take_new_ranks()
                 continue
-            rank = ranks[id(conn)]
+            rank = ranks[conn]
             try:
                 message = conn.recv()
             except (EOFError, OSError):
                 live.remove(conn)  # that rank exited: the session run's monitor says why
+                if inc.conns.get(rank, conn) is not conn:
+                    continue  # a heal already brought the rank back: its new self is alive
                 inc.rank_run.saw_rank_go(rank)
                 # Its socket closed first: the other nodes hear it now.
                 tell_world_gone(inc, f"was lost (rank {rank} ended)")
