@@ -109,6 +109,16 @@ def test_a_session_exported_runs_the_same_under_python_torchrun_mpirun_and_srun(
         assert "about to fail" not in out.stdout
         print(f"{how}: the job printed the session's lines, exit 0, in {time.monotonic() - t0:.1f} s")
     assert set(runs) >= {"python", "torchrun"}
+    # --as-ran: the failed cell goes in, raises again on every rank, and the job goes on (under
+    # each engine: the job's groups are nbdist's there too).
+    res = kernel.run(f"%dist_export --as-ran {job}")
+    assert res.status == "ok" and "replayed to where they ended" in res.stdout, res.error_text + res.stdout
+    assert "failed=True" in job.read_text()
+    as_ran = {r: lines[:1] + ["about to fail"] + lines[1:] for r, lines in said.items()}
+    for how, (argv, prefix) in runs.items():
+        out = _run_job(argv, tmp_path)
+        assert _rank_lines(out.stdout, prefix) == as_ran, f"{how} --as-ran:\n{out.stdout}\n{out.stderr}"
+        assert (out.stdout + out.stderr).count("ZeroDivisionError") >= 2, f"{how}: {out.stderr}"
     kernel.run("%dist_stop")
 
 
@@ -269,6 +279,59 @@ def test_the_quickstart_exported_prints_the_same_losses_under_torchrun(kernel, t
            for r, lines in _rank_lines(out.stdout, r"^\[default(\d+)\]:(.*)$").items()}
     assert got == said, f"{got}\n{said}\n{out.stdout}\n{out.stderr}"
     print(f"the quickstart under torchrun: {said[0][0]} on rank 0, as in the notebook, on every rank alike")
+
+
+SESSIONS_NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "notebooks", "05_sessions.ipynb")
+SESSIONS_CHECKSUM = ("import torch\n"
+            "with torch.no_grad():\n"
+            "    ddp_sum = sum(p.double().sum().item() for p in model.parameters())\n"
+            "    fsdp_sum = sum(p.to_local().double().sum().item() for p in net.parameters())\n"
+            "print(f'rank {dist.get_rank()}: checksum {ddp_sum!r} {fsdp_sum!r} after {len(losses)} steps')")
+
+
+@pytest.mark.timeout(600)
+def test_the_sessions_notebook_exported_as_ran_prints_the_same_lines_under_torchrun(kernel, tmp_path):
+    """Issue 29's goal for notebooks/05: its cells as they are (two loops stopped by --timeout, a
+    cell in which rank 1 fails mid-training), exported with --as-ran and run under torchrun: every
+    rank's lines, and its DDP and FSDP2 parameter checksums, the same as the session's to the last
+    digit. Without --as-ran the stopped and failed cells are left out, and the header says how to
+    replay them."""
+    import nbformat
+
+    nb = nbformat.read(SESSIONS_NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    stop_at = next(i for i, c in enumerate(code) if c.source.strip() == "%dist_stop")
+    for cell in code[:stop_at]:
+        res = kernel.run(cell.source, cell_id=cell.get("id"), timeout=300)
+        want = "error" if "raises-exception" in cell.metadata.get("tags", []) else "ok"
+        assert res.status == want, cell.source + res.error_text + res.stdout
+    assert kernel.run("%%distributed --view text\n" + SESSIONS_CHECKSUM).status == "ok"
+    logs = kernel.run("%dist_logs").stdout
+    said: dict[int, list[str]] = {}
+    for r, line in re.findall(r"^rank (\d+): (.*)$", logs, re.M):  # every line a rank printed, in order
+        said.setdefault(int(r), []).append(line)
+    assert sorted(said) == [0, 1] and all(any("steps, loss" in x for x in v) and "checksum" in v[-1]
+                                          for v in said.values()), logs
+
+    res = kernel.run(f"%dist_export {tmp_path / 'plain.py'}")
+    assert res.status == "ok", res.error_text
+    plain = (tmp_path / "plain.py").read_text()
+    assert "it was stopped" in plain and "it failed" in plain and "%dist_export --as-ran" in plain, plain
+
+    res = kernel.run(f"%dist_export --as-ran {tmp_path / 'sessions.py'}")
+    assert res.status == "ok", res.error_text
+    assert "replayed to where they ended" in res.stdout, res.stdout
+    text = (tmp_path / "sessions.py").read_text()
+    assert text.count("with _job.replay(") == 3 and "replay=True" in text, text
+    out = _run_job([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--tee", "3",
+                    "sessions.py"], tmp_path, timeout=300)
+    got = {r: [line.split(": ", 1)[1] for line in lines if line.startswith(f"rank {r}: ")]
+           for r, lines in _rank_lines(out.stdout, r"^\[default(\d+)\]:(.*)$").items()}
+    assert got == said, f"{got}\n{said}\n{out.stdout}\n{out.stderr}"
+    assert "failed here in the session too" in out.stdout + out.stderr
+    local = _rank_lines(_run_job([sys.executable, "sessions.py"], tmp_path, timeout=300).stdout, SESSION_PREFIX)
+    assert {r: [x.split(": ", 1)[1] for x in lines if x.startswith(f"rank {r}: ")] for r, lines in local.items()} == said
+    print(f"notebooks/05 under torchrun and python, replayed as it ran: {said[0]}")
 
 
 def test_session_export_from_code_runs_with_python(tmp_path):

@@ -51,7 +51,8 @@ def export_session(shell, args) -> str:
     try:
         cells = parse_cell_range(args.cells)
         # No session: the notebook's one-shot cells, each of which ran on ranks of its own.
-        plan = plan_job(session.incarnation, cells) if session else plan_one_shot_job(one_shot, args.nprocs, cells)
+        plan = (plan_job(session.incarnation, cells, as_ran=args.as_ran) if session
+                else plan_one_shot_job(one_shot, args.nprocs, cells))
         plan.notebook, saved = notebook_file_cells(shell)
         add_notebook_definitions(plan, notebook_cells(shell), saved)
         for i, step in enumerate(plan.steps):
@@ -66,6 +67,7 @@ def export_session(shell, args) -> str:
     cells = sum(1 for s in plan.steps if not s.notebook)
     beside = ", ".join(os.path.basename(p) + ("/" if os.path.isdir(p) else "") for p in written[1:])
     left = f"; left out: {'; '.join(plan.left_out)}" if plan.left_out else ""
+    left += f"; replayed to where they ended: {'; '.join(plan.replayed)}" if plan.replayed else ""
     kind = "session" if session else "%%distributed"
     return (f"nbdist: wrote {args.path} ({cells} {kind} cell{'s' if cells != 1 else ''}, "
             f"{len(plan.steps) - cells} notebook cell{'s' if len(plan.steps) - cells != 1 else ''}; "

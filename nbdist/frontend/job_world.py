@@ -15,9 +15,11 @@ A job script runs the same three ways:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pickle
 import sys
+import traceback
 from dataclasses import dataclass
 
 __all__ = ["join_job", "JobWorld", "JOB_ENV"]
@@ -56,6 +58,47 @@ class JobWorld:
             fn, args, kwargs = pickle.load(fh)
         return fn(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def replay(self, reached: dict, failed: bool = False, reset_models: bool = False):
+        """Run the ``with`` block (a cell that was stopped or failed in the session) to where it
+        ended there: each rank raises before the first collective beyond ``reached[rank]``
+        (``{group name: collectives}``, :mod:`nbdist.worker.cell_reach`), and the job goes on.
+        ``failed``: an exception the cell raises (the session's failure, raised again) is printed
+        and the job goes on too; ``reset_models``: each DDP/FSDP2 model's half-done step is reset
+        after it, as the session did."""
+        from nbdist.worker import cell_reach, stop_point
+
+        if "nbdist.worker.reformable_groups" not in sys.modules:
+            raise RuntimeError("this job replays a cell that was stopped or failed in the session, which needs "
+                               "nbdist's process groups: start it with `python job.py`, torchrun, srun or mpirun "
+                               "as its header says (nbdist.join_job(..., replay=True) makes them)")
+        start = cell_reach.group_counts()
+        stop_point.begin_cell()
+        mine = reached.get(self.rank)
+        if mine is not None:
+            stop_point.arm({g: start.get(g, 0) + n for g, n in mine.items()})
+        try:
+            yield
+        except BaseException as exc:
+            hit = stop_point.take_hit()
+            if hit is not None:
+                print(f"nbdist: rank {self.rank} stopped before {hit}, as it did in the session", file=sys.stderr)
+            elif failed and isinstance(exc, Exception):
+                tb = exc.__traceback__
+                while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+                    tb = tb.tb_next  # from the cell's own line: this context manager is nbdist's
+                traceback.print_exception(type(exc), exc, tb)
+                print(f"nbdist: rank {self.rank} failed here in the session too; the job goes on, as the session did",
+                      file=sys.stderr)
+            else:
+                raise
+        finally:
+            stop_point.end_cell()
+            if reset_models:
+                from nbdist.worker.model_reset import reset_models as reset
+
+                reset()
+
     @staticmethod
     def keep(namespace: dict, names: list[str]) -> dict:
         """The ranks' own values of ``names``, to put back after a notebook cell that defines them too."""
@@ -63,7 +106,7 @@ class JobWorld:
 
 
 def join_job(script: str, nprocs: int = 2, backend: str = "auto", env: dict | None = None,
-             timeout: float | None = None) -> JobWorld:
+             timeout: float | None = None, replay: bool = False) -> JobWorld:
     """Join the world of an exported job, or start it (see the module).
 
     Parameters
@@ -78,6 +121,9 @@ def join_job(script: str, nprocs: int = 2, backend: str = "auto", env: dict | No
         The session's ``--env``: set in each rank before torch is imported there.
     timeout : float, optional
         Under ``python job.py``: seconds, then every rank's stack is dumped and the job stopped.
+    replay : bool
+        The job replays stopped or failed cells (``%dist_export --as-ran``): its process groups are
+        nbdist's, as a session's are, whose stop gate :meth:`JobWorld.replay` arms.
 
     Returns
     -------
@@ -105,12 +151,12 @@ def join_job(script: str, nprocs: int = 2, backend: str = "auto", env: dict | No
 
     world = detect_world()
     if world is None:
-        sys.exit(_run_locally(script, nprocs, backend, env, timeout))
+        sys.exit(_run_locally(script, nprocs, backend, env, timeout, replay))
     import torch.distributed as dist
 
     from nbdist.launchers.attach import join_world
 
-    _, rank, size, local_rank = join_world(world, backend=backend)
+    _, rank, size, local_rank = join_world(world, backend=backend, reformable=replay)
     atexit.register(_leave_group, dist)
     _write_whole_lines()
     return JobWorld(rank, size, local_rank, files)
@@ -141,14 +187,18 @@ def run_job_script(script: str) -> None:
     exec(code, main)
 
 
-def _run_locally(script: str, nprocs: int, backend: str, env: dict | None, timeout: float | None) -> int:
+def _run_locally(script: str, nprocs: int, backend: str, env: dict | None, timeout: float | None,
+                 replay: bool = False) -> int:
     """``python job.py``: the ranks, their lines as they come, and the exit status."""
-    from nbdist.api import launch
     from nbdist.errors import WorkerFailedError
     from nbdist.frontend.views.text import TextView
+    from nbdist.options import WorldOptions
+    from nbdist.run.start import start_run
 
     rank_env = {**(env or {}), JOB_ENV: script}
-    run = launch(run_job_script, script, nprocs=nprocs, backend=backend, env=rank_env, timeout=timeout, join=False)
+    options = WorldOptions.from_call({"nprocs": nprocs, "backend": backend, "env": rank_env, "timeout": timeout}).check()
+    # nbdist.launch's own path, with a session's groups where the job replays stopped cells.
+    run = start_run(run_job_script, (script,), {}, options, launcher=options.make_engine(), reformable=replay)
     view = TextView(run)
     view._in_cell = False  # no notebook cell: rank 0's displays are printed as lines too
     try:

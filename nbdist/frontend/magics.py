@@ -334,6 +334,9 @@ class DistributedMagics(Magics):
     @argument("-n", "--nprocs", type=int, default=None,
               help="the job's ranks (default: the session's; without one, what most one-shot cells ran on)")
     @argument("--nnodes", type=int, default=1, help="nodes the job spreads over (torchrun's and the batch file's)")
+    @argument("--as-ran", action="store_true",
+              help="replay the stopped and failed cells to where they ended (each rank stops at the collective "
+                   "it stopped at), so the job's state is the session's")
     @line_magic
     def dist_export(self, line):
         """``%dist_export job.py``: write the session as a job that runs the same under python, torchrun,
@@ -342,7 +345,9 @@ class DistributedMagics(Magics):
         The script holds the session cells that finished, in the order they ran (a ``--ranks`` cell
         guarded by its ranks), after the notebook cells that define what they read; its header says
         how to run it, what the session ran on, and which cells are left out and why (failed,
-        stopped, using ``_dist`` or a debugger). ``job.sbatch`` beside it runs it with srun.
+        stopped, using ``_dist`` or a debugger). ``job.sbatch`` beside it runs it with srun. With
+        ``--as-ran``, a cell that was stopped (at a point every rank agreed on) or failed goes in too,
+        replayed to where it ended: each rank stops before the collective it stopped before.
 
         With no session, the notebook's one-shot ``%%distributed`` cells go out instead, one after the
         other in the job's one world (the quickstart's kind of notebook).

@@ -173,10 +173,11 @@ def run_attached(fn, args, kwargs, world: WorldInfo, *, dist_url="auto", backend
     return run_round(fn, args, kwargs, comm, rank)
 
 
-def join_world(world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True):
+def join_world(world: WorldInfo, *, dist_url="auto", backend="auto", init_process_group=True, reformable=False):
     """Join ``world``'s default process group as its engine placed this process: the rank's env,
     its device bound, the group met at the world's own rendezvous (as a rank nbdist starts would).
-    Returns ``(mpi comm or None, rank, size, local_rank)``."""
+    ``reformable``: the groups are nbdist's, as a session's are (an exported job that replays
+    stopped cells). Returns ``(mpi comm or None, rank, size, local_rank)``."""
     import torch.distributed as dist
 
     from nbdist.worker.bootstrap import bind_device, resolve_backend
@@ -194,6 +195,10 @@ def join_world(world: WorldInfo, *, dist_url="auto", backend="auto", init_proces
     backend = resolve_backend(backend)
     if init_process_group and not dist.is_initialized():
         bind_device(local_rank, backend)
+        if reformable and backend in ("gloo", "nccl"):
+            from nbdist.worker import reformable_groups
+
+            backend = reformable_groups.register(backend)
         if world.kind == "mpi":
             KEEP["rendezvous"] = _join_group_mpi(comm, rank, size, local_size == size, dist_url, backend)
         elif world.kind == "slurm" and dist_url == "auto":

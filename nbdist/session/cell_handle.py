@@ -83,6 +83,8 @@ class CellHandle(EventSource):
         self.restored: dict[int, tuple] = {}  # rank -> torch modes it put back as the cell found them
         self.agreed = None  # the stop point the ranks agreed on (nbdist.session.agreed_stop), if any
         self.stopped_before: dict[int, str] = {}  # rank -> the collective it stopped before (the point)
+        self.reached: dict[int, dict] = {}  # rank -> {group: this cell's collectives} (stopped or failed)
+        self.models_reset = False  # the session reset its DDP/FSDP2 models' half-done step after it
         self.stopped_anywhere: list[int] = []  # ranks still busy when the stop's window closed: stopped where they were
         self.behind: list[int] = []  # of those, the ones that had not reached the stop point
         self.offsets: dict[int, tuple] = {}  # rank -> ((stdout, stderr) at start, (stdout, stderr) at end)
@@ -245,6 +247,8 @@ class CellHandle(EventSource):
                         self.shared_replies[rank] = body
                 except Exception as exc:  # a class only the ranks can import, say: this cell's error
                     kind, body = "failed", _unloadable(rank, exc)
+            if kind in ("interrupted", "failed") and isinstance(body, dict) and "reached" in body:
+                self.reached[rank] = body.pop("reached")  # where an export replays the cell to
             if kind == "interrupted":
                 self.interrupted.add(rank)
                 if body and body.get("restored"):  # the stop landed where torch restores a mode: put back

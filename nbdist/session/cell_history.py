@@ -50,6 +50,11 @@ class CellRecord:
     status: str = "running"  # how it ended: "finished", "failed", "interrupted", "lost"
     error_line: str = ""  # a failed cell's error, its first line
     nprocs: int | None = None  # a one-shot cell: the fresh ranks it started (None: a session's cell)
+    # A stopped or failed cell: {rank: {group: its collectives that completed}}, where an export replays
+    # it to (nbdist.worker.cell_reach); empty where that can't be had (no groups, a rank died, a rank
+    # stopped where it was). ``models_reset``: the session then reset its models' half-done step.
+    reached: dict = field(default_factory=dict)
+    models_reset: bool = False
 
     def follow(self, handle) -> CellRecord:
         """Take the cell's outcome from its handle when it ends, without keeping the handle (nor the
@@ -59,17 +64,24 @@ class CellRecord:
         def on_event(event) -> None:  # a run's output chunks come this way too
             if isinstance(event, RunEvent) and event.rank is None and (event.status in TERMINAL or
                                                                         event.status == "lost"):
-                self._settle(event.status, event.detail)
+                self._settle(event.status, event.detail, handle)
 
         handle.subscribe(on_event, replay=False)
         if handle.done:  # it ended before we listened
-            self._settle(handle.status, handle.error)
+            self._settle(handle.status, handle.error, handle)
         return self
 
-    def _settle(self, status: str, detail) -> None:
+    def _settle(self, status: str, detail, handle) -> None:
         self.status = status
         if status == "failed" and isinstance(detail, BaseException):
             self.error_line = str(detail).splitlines()[0] if str(detail) else type(detail).__name__
+        reached = getattr(handle, "reached", None) or {}  # a session cell's handle; a run has none
+        every = set(reached) >= set(self.ranks) and not getattr(handle, "deaths", None)
+        if status == "interrupted":  # replayable where every rank stopped at the agreed point
+            every = every and set(handle.stopped_before) >= set(self.ranks) and not handle.stopped_anywhere
+        if status in ("interrupted", "failed") and every:
+            self.reached = _completed_on_every_rank({r: reached[r] for r in sorted(self.ranks)})
+            self.models_reset = bool(handle.models_reset)
 
     @property
     def label(self) -> str:
@@ -77,6 +89,17 @@ class CellRecord:
         if self.execution_count is not None:
             return f"In [{self.execution_count}]"
         return f"one-shot cell {self.number}" if self.nprocs is not None else f"session cell {self.number}"
+
+
+def _completed_on_every_rank(issued: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
+    """``{rank: {group: collectives that completed}}`` from what each rank issued in a cell: a
+    group's collective completes only where every member issued it, so per group the fewest any
+    member issued (a peer released from one its failing peer never joined stops just before it)."""
+    fewest: dict[str, int] = {}
+    for counts in issued.values():
+        for group, n in counts.items():
+            fewest[group] = min(fewest.get(group, n), n)
+    return {rank: {group: fewest[group] for group in counts} for rank, counts in issued.items()}
 
 
 class CellHistory:

@@ -200,7 +200,7 @@ class Session(CellLevel):
         return self._current.heal(donor)
 
     def export(self, path: str, cells: tuple[int, int] | None = None, launcher: str = "torchrun",
-               nprocs: int | None = None, nnodes: int = 1) -> list[str]:
+               nprocs: int | None = None, nnodes: int = 1, as_ran: bool = False) -> list[str]:
         """Write this session's cells as a job that runs the same under ``python``, torchrun, srun and mpirun.
 
         The script at ``path`` holds the cells that finished (``execute`` source, ``run`` calls
@@ -209,7 +209,9 @@ class Session(CellLevel):
         are left out and why. ``<stem>.sbatch`` beside it runs it with srun. ``%dist_export`` does
         the same in a notebook, with the notebook's own definitions the cells read. ``cells``: the
         session's cell numbers to take (first, last); ``launcher``: the engine the header and the batch
-        file lead with; ``nprocs``, ``nnodes``: the job's world (default: the session's ranks, one node).
+        file lead with; ``nprocs``, ``nnodes``: the job's world (default: the session's ranks, one node);
+        ``as_ran``: a cell that was stopped at a point every rank agreed on, or that failed, goes in
+        too, replayed to where it ended (each rank stops before the collective it stopped before).
 
         Returns the paths written; raises ValueError when no cell can be exported, and
         FileNotFoundError for a folder that doesn't exist.
@@ -222,7 +224,7 @@ class Session(CellLevel):
         """
         from nbdist.session.job_export import plan_job, write_job
 
-        return write_job(plan_job(self._current, cells), path, launcher, nprocs, nnodes)
+        return write_job(plan_job(self._current, cells, as_ran), path, launcher, nprocs, nnodes)
 
     def restart(self) -> None:
         """End the current ranks (or what is left of them) and start new ones with the same options.

@@ -12,6 +12,7 @@ Slurm batch file (:mod:`nbdist.session.job_script`).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import platform
 import shutil
@@ -40,6 +41,11 @@ class JobStep:
     call: tuple | None = None  # a function call (fn, args, kwargs), pickled beside the script
     keep: list[str] = field(default_factory=list)  # the ranks' own names a notebook cell must not replace
     notebook: bool = False  # a notebook cell (the kernel's own code), not a session cell
+    # A stopped or failed cell replayed to where it ended (--as-ran): {rank: {group: collectives}};
+    # ``failed``: its failure is raised again and caught; ``reset_models``: as the session did after it.
+    replay: dict | None = None
+    failed: bool = False
+    reset_models: bool = False
     execution_count: int | None = None
     cell_id: str | None = None
 
@@ -62,6 +68,9 @@ class JobPlan:
     cells: tuple[int, int] | None = None  # the range asked for (--cells A-B)
     origin: str = ""  # what was exported: "session <id>", or the notebook's one-shot cells
     one_shot: bool = False  # the notebook's one-shot cells, not a session's
+    as_ran: bool = False  # stopped and failed cells are replayed to where they ended, where they can be
+    replayed: list[str] = field(default_factory=list)  # "In [8]: stopped ...": in the job, replayed
+    replayable: int = 0  # cells left out that --as-ran would replay
 
 
 def unexportable_reason(source: str) -> str | None:
@@ -80,11 +89,14 @@ def unexportable_reason(source: str) -> str | None:
     return None
 
 
-def plan_job(inc, cells: tuple[int, int] | None = None) -> JobPlan:
+def plan_job(inc, cells: tuple[int, int] | None = None, as_ran: bool = False) -> JobPlan:
     """The job of ``inc``'s history (or of the cells numbered ``cells[0]``..``cells[1]``, by the
-    notebook's execution count, else the session's cell number)."""
+    notebook's execution count, else the session's cell number). ``as_ran``: a cell that was stopped
+    at a point every rank agreed on, or that failed, goes in too, replayed to where it ended
+    (:mod:`nbdist.worker.cell_reach`); else it is left out, as one that can't be replayed is."""
     plan = _new_plan(f"session {inc.session_id}", inc.session_id, inc.nprocs, inc.options.backend,
                      dict(inc.options.env or {}), cells)
+    plan.as_ran = as_ran
     _add_records(plan, inc.history.records())
     return plan
 
@@ -123,11 +135,34 @@ def _add_records(plan: JobPlan, records: list[CellRecord]) -> None:
         if record.what == "code":
             plan.runs.append((record.cell_id, record.execution_count, record.source))
         why = _why_left_out(record, plan.nprocs)
+        replay = why is not None and _replayable(record, plan.nprocs)
+        if replay and plan.as_ran:
+            plan.steps.append(_replayed_step(plan, record))
+            continue
         if why is not None:
+            if plan.as_ran and record.status in ("interrupted", "failed"):
+                why += "; it can't be replayed: a rank stopped where it was (no collective every rank agreed on), or died"
             plan.left_out.append(f"{record.label}: {why}")
             plan.stopped |= record.status == "interrupted"
+            plan.replayable += replay
             continue
         plan.steps.append(_step_of(record, plan.nprocs))
+
+
+def _replayable(record: CellRecord, nprocs: int) -> bool:
+    """A stopped or failed cell whose every rank said how far it got, and that would go in had it finished."""
+    if record.status not in ("interrupted", "failed") or not record.reached:
+        return False
+    return _why_left_out(dataclasses.replace(record, status="finished"), nprocs) is None
+
+
+def _replayed_step(plan: JobPlan, record: CellRecord) -> JobStep:
+    step = _step_of(record, plan.nprocs)
+    step.replay, step.failed, step.reset_models = dict(record.reached), record.status == "failed", record.models_reset
+    how = (f"failed ({record.error_line})" if record.error_line else "failed") if step.failed else "stopped"
+    step.label += f" · {how} in the session: replayed to where it ended"
+    plan.replayed.append(f"{record.label}: {how}")
+    return step
 
 
 def _version_of(package: str) -> str:

@@ -64,6 +64,14 @@ def _header(plan, script: str, launcher: str, nprocs: int, nnodes: int) -> list[
     if plan.stopped:
         lines.append("  A stopped cell may have changed the ranks' state before it stopped: the job may then "
                      "differ from the session.")
+    if plan.replayable and not plan.as_ran:
+        lines.append("  %dist_export --as-ran (Session.export(as_ran=True)) replays the stopped and failed cells to "
+                     "where they ended instead.")
+    if plan.replayed:
+        lines += ["", "Replayed to where they ended in the session (--as-ran): each rank stops before the collective "
+                      "it stopped before there, a failure is raised again and the job goes on, as the session did; "
+                      "the state is the session's where the cells compute the same each run (seeded):"]
+        lines += [f"  {what}" for what in plan.replayed]
     if plan.notes:
         lines += ["", "Worth knowing:"] + [f"  {note}" for note in plan.notes]
     return [f"# {line}".rstrip() for line in lines]
@@ -82,6 +90,9 @@ def _step_text(step, index: int, names: dict) -> list[str]:
         code = f"_job.call({names[index, 'call']!r})\n"
     else:
         code = step.code if step.code.endswith("\n") else step.code + "\n"
+    if step.replay is not None:
+        flags = (", failed=True" if step.failed else "") + (", reset_models=True" if step.reset_models else "")
+        code = f"with _job.replay({step.replay!r}{flags}):\n" + indent_code(code)
     if step.ranks is not None:
         out.append(f"if _job.rank in {tuple(step.ranks)!r}:")
         code = indent_code(code)
@@ -95,6 +106,7 @@ def render_script(plan, script: str, names: dict, launcher: str, nprocs: int, nn
     """The job script's text (``names``: the files beside it, by ``(step index, "values"|"call")``)."""
     lines = ["#!/usr/bin/env python"] + _header(plan, script, launcher, nprocs, nnodes)
     env = f", env={plan.env!r}" if plan.env else ""
+    env += ", replay=True" if any(step.replay is not None for step in plan.steps) else ""
     lines += ["", "import nbdist", "",
               f"_job = nbdist.join_job(__file__, nprocs={nprocs}, backend={plan.backend!r}{env})"]
     for i, step in enumerate(plan.steps):

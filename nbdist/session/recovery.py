@@ -196,6 +196,7 @@ def bring_in_step(inc, cell) -> str | None:
     if in_step and not cell.released and not across:
         if any(a[2] for a in answers.values()):  # a step stopped half-way: the next one would not pair up
             call_on_ranks(inc, reset_models)
+            cell.models_reset = True  # an export's replay of the cell resets them too (job_world)
         return replicas or None
     why = _why(inc, cell, counts)
     if across and in_step and not cell.released:
@@ -207,6 +208,7 @@ def bring_in_step(inc, cell) -> str | None:
                  f"could hang or give wrong results; the state is lost; {inc.restart_hint}")
         raise SessionLostError(inc.lost_reason)
     done = call_on_ranks(inc, reform_groups, inc.life.next_generation())
+    cell.models_reset = True  # the re-forming resets every model
     ms = max(d["seconds"] for d in done.values()) * 1000
     inc.last_reform = done  # the parts' timings, for benchmarks and tests
     where = f" across the {inc.options.nnodes} nodes' kernels" if across else ""

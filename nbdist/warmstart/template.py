@@ -66,6 +66,7 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
     # its way in, and the wait of a healed rank's first call. Not the IPython modules display
     # patches: a rank loads nothing of IPython until a session's display needs it.
     import nbdist.worker.autoreload  # noqa: F401
+    import nbdist.worker.cell_reach  # noqa: F401
     import nbdist.worker.display  # noqa: F401
     import nbdist.worker.stop_point  # noqa: F401
     import nbdist.worker.torch_modes  # noqa: F401

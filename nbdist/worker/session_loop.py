@@ -186,6 +186,7 @@ def serve_session(session_dir: str, address) -> None:
 
     from nbdist.worker import debugger, display, stop_point
     from nbdist.worker.autoreload import take_report, track
+    from nbdist.worker.cell_reach import attach_reach, group_counts
     from nbdist.worker.torch_modes import note_modes, restore_modes
 
     display.install(send_display)  # display() and plt.show() reach the notebook
@@ -211,6 +212,7 @@ def serve_session(session_dir: str, address) -> None:
         _check_collectives(f"cell{cell_id}" if cell_options.get("check_collectives") else None)
         debugger.install(*_debug_channel(conn, send, rank, cell_id))
         modes = note_modes()  # grad mode, inference mode, autocast: a stop may land where they are restored
+        counted = group_counts()  # where a stopped or failed cell began: an export replays it from there
         try:
             kind, body = _run_one(cell_dir, rank, payload, cell_options.get("autoreload"))
         except KeyboardInterrupt:  # a second stop within microseconds of the first
@@ -223,6 +225,7 @@ def serve_session(session_dir: str, address) -> None:
         if kind == "interrupted":
             restored, hit = restore_modes(modes), stop_point.take_hit()
             body = {"restored": restored, "stopped_before": hit} if restored or hit else None
+        body = attach_reach(body, counted, kind)
         running.leave()
         _check_collectives(None)
         debugger.install(None, None)

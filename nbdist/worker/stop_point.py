@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from nbdist.worker.import_guard import importing_in_cell
 
-__all__ = ["StoppedAtCollective", "POINT_WAIT_S", "begin_cell", "end_cell", "claim", "report_counts", "load_point",
+__all__ = ["StoppedAtCollective", "POINT_WAIT_S", "begin_cell", "arm", "end_cell", "claim", "report_counts", "load_point",
            "was_hit", "take_hit"]
 
 # How long a rank waits at the closed gate for the kernel's point; past it the stop wins anyway.
@@ -68,6 +68,16 @@ def begin_cell() -> None:
     global _STOP, _CELL_STARTED
     with _LOCK:
         _STOP, _CELL_STARTED = None, time.time()
+
+
+def arm(point: dict) -> None:
+    """A stop agreed before the code runs: the first collective beyond ``point`` (``{group name:
+    the last collective number it may issue}``) raises. An exported job replays a cell that was
+    stopped in the session to where it stopped there (:mod:`nbdist.worker.cell_reach`)."""
+    global _STOP
+    with _LOCK:
+        _STOP = _Stop("replay", point=dict(point))
+        _STOP.known.set()
 
 
 def end_cell() -> None:
