@@ -301,3 +301,35 @@ def test_the_reader_takes_a_healed_ranks_channel_even_where_it_has_the_dead_ones
     for pair in spare:
         for conn in pair:
             conn.close()
+
+
+def test_the_reader_goes_on_past_a_channel_closed_under_it():
+    """A heal undone closes the new rank's channel (Incarnation.remove_rank) whenever it fails, also
+    while the reader is between two waits: the next wait must not end the reader, which reads
+    every rank's answers for the session's life."""
+    import threading
+    import types
+    from multiprocessing.connection import Pipe
+
+    from nbdist.session.reply_reader import ReaderWake, read_replies
+
+    shown = []
+    cell = types.SimpleNamespace(cell_id=3, feed_display=lambda rank, data, meta: shown.append(rank))
+    inc = types.SimpleNamespace(
+        conns={}, ended=False, reader_wake=ReaderWake(), active=cell, lock=threading.Lock(), world=None,
+        status="idle", rank_run=types.SimpleNamespace(saw_rank_go=lambda rank: None),
+        lose=lambda why: pytest.fail(why), restart_hint="")
+    ours0, theirs0 = Pipe()
+    ours1, theirs1 = Pipe()
+    ours1.close()  # closed before the reader's first wait: the same as between two of them
+    inc.conns = {0: ours0, 1: ours1}
+    reader = threading.Thread(target=read_replies, args=(inc,), daemon=True)
+    reader.start()
+    theirs0.send(("display", 0, 3, {"text/plain": "still read"}, {}))
+    wait_for(lambda: shown == [0], 5, what="rank 0's message to be read past the closed channel")
+    assert reader.is_alive()
+    inc.ended = True
+    theirs0.close()
+    theirs1.close()
+    reader.join(5)
+    assert not reader.is_alive()

@@ -55,7 +55,14 @@ def read_replies(inc) -> None:
 
     take_new_ranks()
     while live and not inc.ended:
-        for conn in wait(live + [inc.reader_wake.reader]):
+        try:
+            ready = wait(live + [inc.reader_wake.reader])
+        except (OSError, ValueError):  # a channel closed here meanwhile (a heal undone): never read again
+            if inc.reader_wake.reader.closed:
+                return
+            live[:] = [c for c in live if not c.closed]
+            continue
+        for conn in ready:
             if conn is inc.reader_wake.reader:
                 inc.reader_wake.drain()
                 take_new_ranks()
