@@ -76,6 +76,9 @@ class JobWorld:
         stop_point.begin_cell()
         mine = reached.get(self.rank)
         if mine is not None:
+            if mine and not set(mine) & set(start):  # nothing would stop it: a stopped loop would run for ever
+                raise RuntimeError(f"this job can't replay the cell as it ran: the session's rank {self.rank} counted "
+                                   f"collectives on groups {sorted(mine)}, and the job has {sorted(start) or 'none'}")
             stop_point.arm({g: start.get(g, 0) + n for g, n in mine.items()})
         try:
             yield
@@ -83,7 +86,7 @@ class JobWorld:
             hit = stop_point.take_hit()
             if hit is not None:
                 print(f"nbdist: rank {self.rank} stopped before {hit}, as it did in the session", file=sys.stderr)
-            elif failed and isinstance(exc, Exception):
+            elif failed and isinstance(exc, (Exception, SystemExit)):  # the session caught both
                 tb = exc.__traceback__
                 while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
                     tb = tb.tb_next  # from the cell's own line: this context manager is nbdist's
