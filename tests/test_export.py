@@ -380,3 +380,18 @@ def test_the_notebook_file_tells_cells_edited_since_and_run_out_of_order(tmp_pat
     assert re.search(r"In \[\d+\] \(cell below\) was edited after it ran: the notebook now shows other source",
                      header), header
     assert re.search(r"In \[\d+\] \(cell top\) ran after a cell below it in the notebook", header), header
+
+
+def test_a_replay_the_jobs_groups_cant_stop_refuses_in_one_line():
+    """A stopped loop replayed where the job has none of the groups the session counted on would
+    never stop: the job refuses instead of running for ever."""
+    import importlib
+
+    from nbdist.frontend.job_world import JobWorld
+
+    importlib.import_module("nbdist.worker.reformable_groups")  # the job's groups are nbdist's: here, none made
+
+    world = JobWorld(rank=0, world_size=2, local_rank=0, files="")
+    with pytest.raises(RuntimeError, match=r"can't replay the cell as it ran: .*groups \['7'\], and the job has none"):
+        with world.replay({0: {"7": 12}, 1: {"7": 12}}):
+            pytest.fail("the cell ran")

@@ -12,6 +12,7 @@ state they hold does.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -74,7 +75,8 @@ class CellRecord:
     def _settle(self, status: str, detail, handle) -> None:
         self.status = status
         if status == "failed" and isinstance(detail, BaseException):
-            self.error_line = str(detail).splitlines()[0] if str(detail) else type(detail).__name__
+            line = str(detail).splitlines()[0] if str(detail) else type(detail).__name__
+            self.error_line = re.sub(r" \(pid \d+\)", "", line)  # a job's header: the session's pids mean nothing there
         reached = getattr(handle, "reached", None) or {}  # a session cell's handle; a run has none
         every = set(reached) >= set(self.ranks) and not getattr(handle, "deaths", None)
         if status == "interrupted":  # replayable where every rank stopped at the agreed point
