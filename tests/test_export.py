@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from conftest import nbdist_kernel
+from conftest import nbdist_kernel, wait_for
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -395,3 +395,60 @@ def test_a_replay_the_jobs_groups_cant_stop_refuses_in_one_line():
     with pytest.raises(RuntimeError, match=r"can't replay the cell as it ran: .*groups \['7'\], and the job has none"):
         with world.replay({0: {"7": 12}, 1: {"7": 12}}):
             pytest.fail("the cell ran")
+
+
+SESSIONS_DDP = """
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+X = torch.randn(64, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+Y = X.sum(1, keepdim=True)
+def train(n):
+    for _ in range(n):
+        opt.zero_grad()
+        ((model(X) - Y) ** 2).mean().backward()
+        opt.step()
+def checksum():
+    with torch.no_grad():
+        return sum(p.double().sum().item() for p in model.parameters())
+def steps():
+    return int(next(iter(opt.state.values()))["step"])
+"""
+
+
+def test_a_stopped_loop_after_a_heal_replays_to_the_sessions_state(tmp_path):
+    """One step beside the notebook: a rank killed and healed, then a DDP loop stopped and a cell
+    in which a rank fails. The heal rebuilt every DDP reducer (whose next step issues a bucket
+    rebuild's broadcasts): the job rebuilds them at the same point, so the replay's collective
+    counts mean the same steps, and every rank ends with the session's parameters and step count
+    (it trained 2 steps more when the job did not)."""
+    import signal
+
+    import nbdist
+    from nbdist.errors import RunStoppedError, WorkerFailedError
+
+    with nbdist.Session(nprocs=3) as s:
+        assert s.wait_ready(120)
+        s.execute(SESSIONS_DDP, timeout=120)
+        s.execute("train(3)", timeout=120)
+        os.kill(s.pids[1], signal.SIGKILL)
+        wait_for(lambda: s.status == "degraded", 30, what="the session to be degraded")
+        assert s.heal(0).healed == [1]
+        s.execute("X = torch.randn(64, 8, generator=torch.Generator().manual_seed(dist.get_rank()))\n"
+                  "Y = X.sum(1, keepdim=True)", ranks=[1], timeout=60)  # rank-specific: not copied
+        with pytest.raises(RunStoppedError):
+            s.execute("while True:\n    train(1)", timeout=2)
+        with pytest.raises(WorkerFailedError):
+            s.execute("for step in range(10**6):\n    if step == 3 and dist.get_rank() == 2:\n"
+                      "        raise RuntimeError('corrupt shard')\n    train(1)", timeout=120)
+        s.execute("train(2)\nline = f'rank {dist.get_rank()}: checksum {checksum()!r} after {steps()} steps'\n"
+                  "print(line)", timeout=120)
+        said = s.execute("line")
+        s.export(str(tmp_path / "healed.py"), as_ran=True)
+    text = (tmp_path / "healed.py").read_text()
+    assert "_job.rebuild_ddp_models()" in text and text.count("with _job.replay(") == 2, text
+    out = _run_job([sys.executable, "healed.py"], tmp_path, timeout=300)
+    got = {r: lines[-1] for r, lines in _rank_lines(out.stdout, SESSION_PREFIX).items()}
+    assert got == said, f"{got}\n{said}\n{out.stdout}\n{out.stderr}"

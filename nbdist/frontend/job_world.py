@@ -68,17 +68,14 @@ class JobWorld:
         after it, as the session did."""
         from nbdist.worker import cell_reach, stop_point
 
-        if "nbdist.worker.reformable_groups" not in sys.modules:
-            raise RuntimeError("this job replays a cell that was stopped or failed in the session, which needs "
-                               "nbdist's process groups: start it with `python job.py`, torchrun, srun or mpirun "
-                               "as its header says (nbdist.join_job(..., replay=True) makes them)")
-        start = cell_reach.group_counts()
-        stop_point.begin_cell()
+        start = cell_reach.group_counts()  # nbdist's groups (join_job(..., replay=True)), else none
         mine = reached.get(self.rank)
+        if mine and not set(mine) & set(start):  # nothing would stop it: a stopped loop would run for ever
+            raise RuntimeError(f"this job can't replay the cell as it ran: the session's rank {self.rank} counted "
+                               f"collectives on groups {sorted(mine)}, and the job has {sorted(start) or 'none'} "
+                               f"of nbdist's (nbdist.join_job(..., replay=True) makes them)")
+        stop_point.begin_cell()
         if mine is not None:
-            if mine and not set(mine) & set(start):  # nothing would stop it: a stopped loop would run for ever
-                raise RuntimeError(f"this job can't replay the cell as it ran: the session's rank {self.rank} counted "
-                                   f"collectives on groups {sorted(mine)}, and the job has {sorted(start) or 'none'}")
             stop_point.arm({g: start.get(g, 0) + n for g, n in mine.items()})
         try:
             yield
@@ -101,6 +98,15 @@ class JobWorld:
                 from nbdist.worker.model_reset import reset_models as reset
 
                 reset()
+
+    @staticmethod
+    def rebuild_ddp_models() -> int:
+        """Where the session healed a rank: every DDP model's reducer built afresh, as the heal
+        rebuilt them (:func:`nbdist.worker.namespace_copy.rebuild_ddp_reducers`), so the next step
+        issues the same collectives (its bucket rebuild) as the session's did."""
+        from nbdist.worker.namespace_copy import rebuild_ddp_reducers
+
+        return rebuild_ddp_reducers()
 
     @staticmethod
     def keep(namespace: dict, names: list[str]) -> dict:

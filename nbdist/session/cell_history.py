@@ -38,8 +38,10 @@ class CellRecord:
     number: int  # its cell dir's number within the incarnation
     ranks: list[int]  # the ranks it ran on
     every_rank: bool  # it ran on every rank of the session (no --ranks)
-    what: str = "code"  # "code" (a cell's source), "function" (Session.run), "values" (push, scatter)
-    source: str = ""  # code: the text the ranks ran
+    # "code" (a cell's source), "function" (Session.run), "values" (push, scatter), "heal" (Session.heal:
+    # it rebuilt every DDP model's reducer, whose next step issues collectives a job must issue too)
+    what: str = "code"
+    source: str = ""  # code: the text the ranks ran; heal: what it healed
     magic_line: str = ""  # a %%distributed cell's options, as expanded when it ran
     call: tuple | None = None  # function: (fn, args, kwargs)
     value_names: list[str] = field(default_factory=list)  # values: the names it set
@@ -88,6 +90,8 @@ class CellRecord:
     @property
     def label(self) -> str:
         """How the export's header names it: the notebook's ``In [n]``, or the session's cell number."""
+        if self.what == "heal":
+            return f"the heal ({self.source})"
         if self.execution_count is not None:
             return f"In [{self.execution_count}]"
         return f"one-shot cell {self.number}" if self.nprocs is not None else f"session cell {self.number}"

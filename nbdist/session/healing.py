@@ -34,6 +34,7 @@ from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared, reshare
 from nbdist.run.rank_listener import RankListener
+from nbdist.session.cell_history import CellRecord
 from nbdist.session.rank_deaths import degrade_survivors, describe_gone, tell_untold_deaths
 from nbdist.session.internal_calls import call_on_ranks
 
@@ -138,6 +139,9 @@ def heal(inc, donor: int | None = None) -> HealReport:
             inc.gone_told.discard(rank)
         inc.sources_held = set()  # the new rank holds no notebook source yet: the next cell sends them
         inc.life.move("idle", only_from=("healing",))
+    # For the export: a job replaying a later stopped cell issues the collectives the rebuilt reducers do.
+    inc.history.add(CellRecord(inc.cells_sent, sorted(inc.pids), True, what="heal", status="finished",
+                               source=f"{format_rank_set(dead)} from rank {donor}"))
     tell_untold_deaths(inc)  # the donor, say, died after it gave its names
     return report
 

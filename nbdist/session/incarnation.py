@@ -357,6 +357,11 @@ class Incarnation:
         if sent and set(targets) >= set(self.conns):
             self.sources_held |= sent
 
+    @property
+    def cells_sent(self) -> int:
+        """The number of the last cell dir made (user cells and nbdist's own calls alike)."""
+        return self._cells
+
     def new_cell_dir(self) -> str:
         """A private folder for the next cell's record (its payload, its source)."""
         with self.lock:

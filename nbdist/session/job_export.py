@@ -12,7 +12,6 @@ Slurm batch file (:mod:`nbdist.session.job_script`).
 from __future__ import annotations
 
 import ast
-import dataclasses
 import os
 import platform
 import shutil
@@ -153,7 +152,7 @@ def _replayable(record: CellRecord, nprocs: int) -> bool:
     """A stopped or failed cell whose every rank said how far it got, and that would go in had it finished."""
     if record.status not in ("interrupted", "failed") or not record.reached:
         return False
-    return _why_left_out(dataclasses.replace(record, status="finished"), nprocs) is None
+    return _why_unexportable(record, nprocs) is None
 
 
 def _replayed_step(plan: JobPlan, record: CellRecord) -> JobStep:
@@ -183,6 +182,13 @@ def _why_left_out(record: CellRecord, nprocs: int) -> str | None:
         return "it was stopped (it may have changed the ranks' state before it stopped)"
     if status != "finished":
         return f"it was {status} when exported"
+    return _why_unexportable(record, nprocs)
+
+
+def _why_unexportable(record: CellRecord, nprocs: int) -> str | None:
+    """Why a cell can't run in the job, however it ended."""
+    if record.what == "heal":
+        return None
     if record.what == "values":
         return (f"it set {', '.join(record.value_names)} from code (Session.push/scatter); the job can't hold "
                 f"those values: set them in a cell")
@@ -194,6 +200,9 @@ def _why_left_out(record: CellRecord, nprocs: int) -> str | None:
 
 
 def _step_of(record: CellRecord, nprocs: int) -> JobStep:
+    if record.what == "heal":  # the ranks' DDP models got new reducers, whose first step rebuilds buckets
+        return JobStep(f"{record.label} · every rank", "_job.rebuild_ddp_models()  # as the heal did: the same "
+                       "collectives in the next step")
     ranks = None if record.every_rank or sorted(record.ranks) == list(range(nprocs)) else sorted(record.ranks)
     on = "every rank" if ranks is None else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     label = f"{record.label}{f' · cell {record.cell_id[:8]}' if record.cell_id else ''} · {on}"
