@@ -263,7 +263,7 @@ def test_the_reader_takes_a_healed_ranks_channel_even_where_it_has_the_dead_ones
     cell = types.SimpleNamespace(cell_id=7, feed_display=lambda rank, data, meta: shown.append((rank, data)))
     inc = types.SimpleNamespace(
         conns={}, ended=False, reader_wake=ReaderWake(), active=cell, lock=threading.Lock(), world=None,
-        status="idle", rank_run=types.SimpleNamespace(saw_rank_go=went.append),
+        status="idle", rank_run=types.SimpleNamespace(saw_rank_go=went.append, first_gone=list),
         lose=lambda why: pytest.fail(why), restart_hint="")
     ours0, theirs0 = Pipe()
     ours1, theirs1 = Pipe()
@@ -317,7 +317,7 @@ def test_the_reader_goes_on_past_a_channel_closed_under_it():
     cell = types.SimpleNamespace(cell_id=3, feed_display=lambda rank, data, meta: shown.append(rank))
     inc = types.SimpleNamespace(
         conns={}, ended=False, reader_wake=ReaderWake(), active=cell, lock=threading.Lock(), world=None,
-        status="idle", rank_run=types.SimpleNamespace(saw_rank_go=lambda rank: None),
+        status="idle", rank_run=types.SimpleNamespace(saw_rank_go=lambda rank: None, first_gone=list),
         lose=lambda why: pytest.fail(why), restart_hint="")
     ours0, theirs0 = Pipe()
     ours1, theirs1 = Pipe()
@@ -331,5 +331,49 @@ def test_the_reader_goes_on_past_a_channel_closed_under_it():
     inc.ended = True
     theirs0.close()
     theirs1.close()
+    reader.join(5)
+    assert not reader.is_alive()
+
+
+@pytest.mark.parametrize("seen_before", [None, 3])
+def test_the_other_nodes_hear_the_rank_that_went_first_never_a_peer_taken_down_after_it(seen_before):
+    """An engine (torchrun) takes a failed rank's peers down within its own tick. A kernel slower than
+    that read rank 2's channel closed before rank 3's, in one look, and told node 0 that rank 2 ended
+    (CI, once): it names both where it can't tell, and the first where the run saw it go earlier."""
+    import threading
+    import time
+    import types
+    from multiprocessing.connection import Pipe
+
+    from nbdist.run.state import Run
+    from nbdist.session.reply_reader import ReaderWake, read_replies
+
+    class SeenGone:  # the run's record of exits, with the Run's own methods over it
+        ranks = {0: None, 1: None, 2: None, 3: None}
+        saw_rank_go, first_gone = Run.saw_rank_go, Run.first_gone
+
+        def __init__(self):
+            self.exit_seen = {} if seen_before is None else {seen_before: time.time() - 1}
+
+        def global_rank(self, local):
+            return local
+
+    told = []
+    link = types.SimpleNamespace(gone=False, announce=lambda kind, wait, why: told.append((kind, why)))
+    inc = types.SimpleNamespace(
+        conns={}, ended=False, reader_wake=ReaderWake(), active=None, lock=threading.Lock(), world=link,
+        status="busy", rank_run=SeenGone(), lose=lambda why: pytest.fail(why), restart_hint="")
+    pairs = {rank: Pipe() for rank in range(4)}
+    inc.conns = {rank: ours for rank, (ours, _) in pairs.items()}
+    for rank in (2, 3):  # closed before the reader's first look: one batch, as under a slow reader
+        pairs[rank][1].close()
+    reader = threading.Thread(target=read_replies, args=(inc,), daemon=True)
+    reader.start()
+    wait_for(lambda: told, 5, what="the other nodes to be told")
+    named = "ranks 2-3" if seen_before is None else f"rank {seen_before}"
+    assert told == [("gone", f"was lost ({named} ended)")]
+    inc.ended = True
+    for rank in (0, 1):
+        pairs[rank][1].close()
     reader.join(5)
     assert not reader.is_alive()

@@ -357,8 +357,11 @@ def check_two_node_session(node0, node1):
     # A rank died on node 1: its session is lost, and node 0's part stops within seconds, naming node 1.
     assert "rank 3" in node1["died"] and "exit" in node1["died"], node1
     # Node 1's kernel says so the moment rank 3's channel closes; torchrun's agents end the world's
-    # store about 0.1 s later, which node 0 then reads as the same news, if it comes first.
-    assert node0["lost"].startswith(("the session was stopped: node 1's part of the world was lost (rank 3 ended)",
+    # store about 0.1 s later, which node 0 then reads as the same news, if it comes first. A kernel
+    # slower to read than torchrun's agent (a busy box) finds rank 2's channel closed too (the agent
+    # took it down): it can't tell which went first and names both, never rank 2 alone (CI, once).
+    lost = "the session was stopped: node 1's part of the world was lost "
+    assert node0["lost"].startswith((lost + "(rank 3 ended)", lost + "(ranks 2-3 ended)",
                                      "the session was stopped: the world's store closed")), node0
     assert node0["lost_s"] < 10, node0
     for node in (node0, node1):

@@ -150,6 +150,14 @@ class Run(EventSource):
         if local is not None:
             self.exit_seen.setdefault(local, time.time())
 
+    def first_gone(self, tie_s: float = 0.01) -> list[int]:
+        """The global ranks seen gone first: the earliest, and any seen in the same look (a reader or
+        a monitor tick that found several closed at once can't tell which went first)."""
+        if not self.exit_seen:
+            return []
+        first = min(self.exit_seen.values())
+        return sorted(self.global_rank(r) for r, t in self.exit_seen.items() if t - first <= tie_s)
+
     def replace_rank(self, grank: int, env: dict[str, str]) -> int:
         """A session's heal: start rank ``grank``, which ended, again under this run (the same marker,
         run dir and environment, plus ``env``), on the forker thread. Returns its pid."""

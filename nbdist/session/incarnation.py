@@ -224,7 +224,7 @@ class Incarnation:
             if self.rank_run.keep_survivors:  # a rank of ours died: the survivors keep their state
                 note_rank_death(self, event.rank, event.detail)
             else:  # the run stops the tree next
-                tell_world_gone(self, f"was lost (rank {event.rank} ended)")
+                tell_world_gone(self, f"was lost ({format_rank_set(self.rank_run.first_gone() or [event.rank])} ended)")
             return
         error = self.rank_run.error
         with self.lock:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 from multiprocessing.connection import Pipe, wait
 
+from nbdist.errors import format_rank_set
 from nbdist.session.peers import tell_world_gone
 from nbdist.session.recovery import release_if_asked
 
-__all__ = ["read_replies", "ReaderWake"]
+__all__ = ["read_replies", "ReaderWake", "tell_ranks_gone"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ def read_replies(inc) -> None:
                 return
             live[:] = [c for c in live if not c.closed]
             continue
+        closed = []
         for conn in ready:
             if conn is inc.reader_wake.reader:
                 inc.reader_wake.drain()
@@ -72,11 +74,8 @@ def read_replies(inc) -> None:
                 message = conn.recv()
             except (EOFError, OSError):
                 live.remove(conn)  # that rank exited: the session run's monitor says why
-                if inc.conns.get(rank, conn) is not conn:
-                    continue  # a heal already brought the rank back: its new self is alive
-                inc.rank_run.saw_rank_go(rank)
-                # Its socket closed first: the other nodes hear it now.
-                tell_world_gone(inc, f"was lost (rank {rank} ended)")
+                if inc.conns.get(rank, conn) is conn:  # (else a heal already brought the rank back)
+                    closed.append(rank)
                 continue
             except Exception as exc:  # a message that can't be read: this rank's channel is not to be trusted
                 live.remove(conn)
@@ -89,6 +88,19 @@ def read_replies(inc) -> None:
                 log.exception("nbdist: handling rank %s's reply failed", rank)
                 inc.lose(f"the session was stopped: nbdist failed on rank {rank}'s reply "
                          f"({type(exc).__name__}: {exc}); its state is lost; {inc.restart_hint}")
+        if closed:
+            tell_ranks_gone(inc, closed)
+
+
+def tell_ranks_gone(inc, closed: list[int]) -> None:
+    """Ranks whose channels closed in one look: the run learns when, and the other nodes hear it now
+    (their sockets close before the monitor sees the exits). An engine takes a failed rank's peers
+    down within its own tick: a reader slower than that finds them closed together, and names them
+    all, as it can't tell which went first."""
+    for rank in closed:
+        inc.rank_run.saw_rank_go(rank)
+    first = inc.rank_run.first_gone() or closed
+    tell_world_gone(inc, f"was lost ({format_rank_set(first)} ended)")
 
 
 def on_reply(inc, rank: int, message) -> None:

@@ -12,17 +12,28 @@ widgets show (VS Code after reopening a notebook, GitHub, nbviewer, nbconvert).
 from __future__ import annotations
 
 import html
+import os
 import time
 
 from nbdist.errors import format_rank_set
 from nbdist.frontend.views.buffer import FELL_BEHIND, BufferedView, format_report_line
 from nbdist.frontend.views.cell_output import show_in_cell
 
-__all__ = ["GrowingView", "fold_lines", "summarize", "GROW_AFTER_S", "QUICK_LINES"]
+__all__ = ["GrowingView", "fold_lines", "summarize", "grow_after_s", "GROW_AFTER_S", "QUICK_LINES"]
 
-GROW_AFTER_S = 0.5  # a cell still running after this becomes the live view
+GROW_AFTER_S = 0.5  # a cell still running after this becomes the live view (NBDIST_GROW_AFTER_S)
 QUICK_LINES = 20  # more folded lines than this, and it does too
 SUMMARY_LINES = 5  # per rank, in the summary a grown view leaves for frontends without widgets
+
+
+def grow_after_s() -> float:
+    """How long a cell runs before it grows: ``NBDIST_GROW_AFTER_S`` (read at each cell, so ``%env``
+    in the notebook sets it), else :data:`GROW_AFTER_S`. A kernel on a loaded or remote machine may
+    want plain output for longer cells."""
+    try:
+        return max(0.0, float(os.environ.get("NBDIST_GROW_AFTER_S", GROW_AFTER_S)))
+    except ValueError:
+        return GROW_AFTER_S
 
 
 def fold_lines(lines_by_rank: dict) -> list[tuple[str, str]]:
@@ -68,6 +79,7 @@ class GrowingView(BufferedView):
         self._handle = None  # its display, updated with the summary at the end
         self._held: dict[int, list[tuple[str, str]]] = {}
         self._started = time.monotonic()
+        self._grow_after = grow_after_s()
         run.subscribe(self.on_event)
 
     def on_event(self, event) -> None:
@@ -89,7 +101,7 @@ class GrowingView(BufferedView):
         # A cell whose ranks wind down (one raised: its peers are released, the group re-formed) is
         # over for the user: its error says the rest, and it does not grow for the time that takes.
         winding_down = any(st.status in ("failed", "interrupted") for st in self.run.ranks.values())
-        slow = not final and not winding_down and time.monotonic() - self._started > GROW_AFTER_S
+        slow = not final and not winding_down and time.monotonic() - self._started > self._grow_after
         paused = any(st.status == "paused" for st in self.run.ranks.values())  # a debugger: its badge says where
         if others_display or too_many or slow or paused:
             self._grow()
