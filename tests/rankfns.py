@@ -109,7 +109,12 @@ def quick_then_fail():
     rank = int(os.environ["RANK"])
     if rank == 0:
         return 42
-    time.sleep(1.0)
+    # Fail once rank 0's value is on disk (a fixed head start lost to a busy box's scheduling).
+    from nbdist.protocol import rundir
+
+    deadline = time.monotonic() + 60
+    while not rundir.has_result(os.environ["NBDIST_RUN_DIR"], 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise RuntimeError("late failure")
 
 

@@ -103,7 +103,7 @@ def test_checked_ddp_training_has_no_false_alarm(session):
     assert all(v[-1] < v[0] for v in losses.values()), losses
 
 
-def test_the_magics_check_and_show_collectives():
+def test_the_magics_check_and_show_collectives(tmp_path):
     with nbdist_kernel("spawn") as k:
         res = k.run("%%distributed -n 2 --check-collectives\nprint(1)")
         assert res.status == "error" and "--check-collectives is for a session's cells" in res.error_text
@@ -115,15 +115,24 @@ def test_the_magics_check_and_show_collectives():
         # Unchecked (a checked cell waits for its peers in Python: the stop takes it at once).
         assert k.run("%dist_start -n 2").status == "ok"
         assert k.run("%%distributed --view text\n" + SETUP).status == "ok"
-        hang = "%%distributed --view text{}\nif rank == 0:\n    dist.barrier()\nelse:\n    time.sleep(60)"
-        assert k.run(hang.format(" --bg")).status == "ok"
-        time.sleep(1.5)
-        stacks = k.run("%dist_stacks")
-        assert "collective: barrier #1 on the default group, waiting" in stacks.stdout, stacks.stdout
-        assert "collective: none open" in stacks.stdout, stacks.stdout
+        # Rank 0 says when it is about to enter its barrier (a fixed sleep was lost to a busy box).
+        hang = ("%%distributed --view text{}\nif rank == 0:\n    open({!r}, 'w').close()\n    dist.barrier()\n"
+                "else:\n    time.sleep(60)")
+        assert k.run(hang.format(" --bg", str(tmp_path / "bg"))).status == "ok"
+        wait_for(lambda: (tmp_path / "bg").exists(), 30, what="rank 0 at its barrier")
+        shown = []
+
+        def stacks_show_the_barrier():
+            shown.append(k.run("%dist_stacks").stdout)
+            return "barrier #1 on the default group, waiting" in shown[-1]
+
+        wait_for(stacks_show_the_barrier, 30, interval=0.3, what="%dist_stacks to show rank 0 in its barrier")
+        assert "collective: barrier #1 on the default group, waiting" in shown[-1], shown[-1]
+        assert "collective: none open" in shown[-1], shown[-1]
         assert k.run("_dist.interrupt()").status == "ok"
-        msg = k.send(hang.format(""))  # the same hang, and the stop button
-        time.sleep(2)
+        msg = k.send(hang.format("", str(tmp_path / "fg")))  # the same hang, and the stop button
+        wait_for(lambda: (tmp_path / "fg").exists(), 30, what="rank 0 at its barrier")
+        time.sleep(0.5)  # into the barrier's wait from the file's line
         k.km.interrupt_kernel()
         res = k.collect(msg, timeout=30)
         said = res.stdout + res.error_text

@@ -46,22 +46,32 @@ def test_a_breakpoint_on_one_rank_takes_pdb_commands_and_the_next_cell_sees_the_
 
 
 def test_breakpoints_on_two_ranks_ranks_rank_n_and_all_c(kernel):
+    """Either rank may reach its breakpoint first (the prompt goes to the lowest rank paused at the
+    first look: on a busy box, rank 1 now and then): ``ranks`` is asked until both are listed."""
     badges = []
 
     def answer(prompt, res):
-        if not res.prompts:  # the first prompt: let the other rank stop too before listing them
-            time.sleep(1.5)
-            badges.extend(v for v in res.widget_values.values() if isinstance(v, str) and "paused" in v)
+        badges.extend(v for v in res.widget_values.values() if isinstance(v, str) and "paused" in v)
+        if len(_last_listing(res.stdout)) < 2 and len(res.prompts) < 60:
+            time.sleep(0.2)
             return "ranks"
-        return {1: "rank 1", 2: "p rank * 100", 3: "all c"}[len(res.prompts)]
+        done = [a for _, a in res.prompts if a != "ranks"]
+        return ["rank 1", "p rank * 100", "all c"][len(done)]
 
     res = kernel.run("%%distributed --view widget\nbreakpoint()\nz = rank + 5", answers=answer, timeout=60)
     assert res.status == "ok", res.error_text
-    assert [a for _, a in res.prompts] == ["ranks", "rank 1", "p rank * 100", "all c"]
-    assert [p for p, _ in res.prompts] == ["(Pdb rank 0) ", "(Pdb rank 0) ", "(Pdb rank 1) ", "(Pdb rank 1) "]
+    assert [a for _, a in res.prompts if a != "ranks"] == ["rank 1", "p rank * 100", "all c"], res.prompts
+    first = int(res.prompts[0][0].split()[-1].rstrip(")"))
+    assert {p for p, a in res.prompts if a == "ranks"} == {f"(Pdb rank {first}) "}, res.prompts
+    assert [p for p, a in res.prompts if a in ("p rank * 100", "all c")] == ["(Pdb rank 1) "] * 2, res.prompts
     out = res.stdout
-    assert "  rank 0: cell.py:3 in <module>   <- current" in out and "  rank 1: cell.py:3 in <module>" in out, out
-    assert "nbdist: rank 1 stopped at cell.py:3 in <module>" in out and "\n100\n" in out, out
+    listing = _last_listing(out)
+    assert [line.split("   <-")[0] for line in listing] == ["  rank 0: cell.py:3 in <module>",
+                                                            "  rank 1: cell.py:3 in <module>"], out
+    assert listing[first].endswith("<- current"), out
+    if first == 0:  # a switch says where the new rank stands (rank 1 first: it was said before)
+        assert "nbdist: rank 1 stopped at cell.py:3 in <module>" in out, out
+    assert "\n100\n" in out, out
     assert any("at cell.py:3 in &lt;module&gt;" in b or "at cell.py:3 in <module>" in b for b in badges), badges
     assert kernel.run("%%distributed --view text\nz").result == "5"
 

@@ -294,3 +294,33 @@ def test_context_manager_exit_stops_the_run():
     with nbdist.launch(rankfns.hang, nprocs=2, join=False, init_process_group=False) as run:
         wait_for(lambda: len(marked_pids(run.run_id)) == 2, 60, what="ranks up")
     assert run.status == "interrupted" and not marked_pids(run.run_id)
+
+
+def test_a_peer_the_engine_took_down_with_the_dead_rank_is_never_named_first(tmp_path):
+    """mpirun and srun kill a dead rank's peers within milliseconds and tell the kernel nothing; a
+    kernel slower than that finds both gone in one look, the lower rank's exit first. The rank whose
+    log holds faulthandler's "Fatal Python error" is the root cause; its tied peer was taken down."""
+    import types
+
+    from nbdist.errors import WorkerFailedError
+    from nbdist.protocol import rundir
+    from nbdist.run.events import RankStatus
+    from nbdist.run.failure_report import collect_failures
+
+    seen = time.time()
+    with open(rundir.log_path(str(tmp_path), 1, "stderr"), "w") as fh:
+        fh.write("step 3\nFatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n")
+    open(rundir.log_path(str(tmp_path), 0, "stderr"), "w").close()
+    run = types.SimpleNamespace(
+        run_dir=str(tmp_path), engine_root=None, timed_out={}, unloadable={},
+        ranks={r: RankStatus(r, "failed", pid=100 + r, exitcode=1) for r in (0, 1)},
+        exit_seen={0: seen, 1: seen + 1e-5}, global_rank=lambda r: r,
+        launcher=types.SimpleNamespace(name="mpirun", engine_log=lambda: ""))
+    failures = collect_failures(run)
+    err = WorkerFailedError(failures)
+    assert err.rank == 1 and "rank 1 failed first" in str(err), str(err)
+    assert failures[1].message == "Fatal Python error: Segmentation fault", failures[1]
+    assert failures[0].secondary and failures[0].message == "stopped by mpirun after rank 1 failed", failures[0]
+    # Seen a second apart, the order is known: the fatal log of a later one changes nothing.
+    run.exit_seen = {0: seen, 1: seen + 1.0}
+    assert WorkerFailedError(collect_failures(run)).rank == 0

@@ -452,3 +452,29 @@ def test_a_stopped_loop_after_a_heal_replays_to_the_sessions_state(tmp_path):
     out = _run_job([sys.executable, "healed.py"], tmp_path, timeout=300)
     got = {r: lines[-1] for r, lines in _rank_lines(out.stdout, SESSION_PREFIX).items()}
     assert got == said, f"{got}\n{said}\n{out.stdout}\n{out.stderr}"
+
+
+def test_a_re_sync_after_a_one_rank_step_is_in_the_job_and_the_replicas_end_alike(tmp_path):
+    """A ``--ranks 0`` cell took an optimizer step on rank 0 alone, leaving the replicas apart;
+    ``Session.sync`` (``%dist_sync``) set rank 1's from rank 0's. The sync is in the history, so the
+    job re-syncs at the same point: both ranks end with the session's parameters, equal to each other
+    (without it, rank 1 trained on from its own replica and ended elsewhere)."""
+    import nbdist
+
+    with nbdist.Session(nprocs=2) as s:
+        assert s.wait_ready(120)
+        s.execute(SESSIONS_DDP, timeout=120)
+        s.execute("train(2)", timeout=120)
+        s.execute("opt.step()  # the last gradients, once more, on rank 0 only", ranks=[0], timeout=60)
+        apart = s.execute("checksum()")
+        assert apart[0] != apart[1], apart
+        assert "from rank 0" in s.sync(0)
+        s.execute("train(2)\nline = f'checksum {checksum()!r} after {steps()} steps'\nprint(line)", timeout=120)
+        said = s.execute("line")
+        s.export(str(tmp_path / "synced.py"))
+    assert said[0] == said[1], said
+    text = (tmp_path / "synced.py").read_text()
+    assert "_job.sync_replicas(0)" in text and "the re-sync from rank 0" in text, text
+    out = _run_job([sys.executable, "synced.py"], tmp_path, timeout=300)
+    got = {r: lines[-1] for r, lines in _rank_lines(out.stdout, SESSION_PREFIX).items()}
+    assert got == said, f"{got}\n{said}\n{out.stdout}\n{out.stderr}"

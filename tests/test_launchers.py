@@ -127,10 +127,11 @@ def test_a_session_under_the_engine_keeps_state_interrupts_and_leaves_nothing(en
 
 
 @pytest.mark.parametrize("what", ["session", "run"])
-def test_a_killed_kernel_leaves_nothing_of_the_engine_within_3_s(engine, run_script, what, tmp_path):
+def test_a_killed_kernel_leaves_nothing_of_the_engine_and_its_ranks_go_first(engine, run_script, what, tmp_path):
     """SIGKILL a kernel whose session cell is busy (the engine started from the session's own
-    thread), or whose run a thread other than the main one started: the engine and every rank are
-    gone within 3 s (the engine's PDEATHSIG from the forker thread, the ranks' own watch on the kernel)."""
+    thread), or whose run a thread other than the main one started: every rank is gone within
+    seconds, the engine after them (the engine's PDEATHSIG from the forker thread, the ranks' own
+    watch on the kernel); about 0.3 s on a quiet box, printed."""
     busy = began("import time\nwhile True:\n    time.sleep(0.01)", tmp_path / "c")
     proc = run_script(
         f"""
@@ -165,8 +166,14 @@ def test_a_killed_kernel_leaves_nothing_of_the_engine_within_3_s(engine, run_scr
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     t0 = time.monotonic()
-    wait_for(lambda: not marked_pids(marker), 3.0, what=f"the {engine['launcher']} {what}'s engine and ranks to go")
-    print(f"{engine['launcher']} {what}: kernel SIGKILL -> nothing left in {time.monotonic() - t0:.2f} s")
+    # What holds the GPUs goes first, within seconds; the engine may take a moment more (srun settles
+    # the step with slurmctld first), as in test_engine_dead_parent_leaves_nothing.
+    wait_for(lambda: not [p for p in nbdist.ps(marker) if p.rank is not None], 5.0,
+             what=f"the {engine['launcher']} {what}'s ranks to go")
+    ranks_gone = time.monotonic() - t0
+    wait_for(lambda: not marked_pids(marker), 15.0, what=f"the {engine['launcher']} {what}'s engine to follow")
+    print(f"{engine['launcher']} {what}: kernel SIGKILL -> ranks gone in {ranks_gone:.2f} s, "
+          f"nothing left in {time.monotonic() - t0:.2f} s")
 
 
 # ---- torchrun across kernels ------------------------------------------------------------------

@@ -63,16 +63,18 @@ def test_a_session_restarted_after_a_death_in_a_cell_takes_cells_for_30_s(sessio
             {0: (3.0, cells + 1), 1: (3.0, cells + 1)}
         cells += 1
         time.sleep(rng.uniform(0, 0.8))  # idle gaps: a stale timer or recovery step would act in one
-    assert session.status == "idle" and cells > 20, cells
+    assert session.status == "idle" and cells > 10, cells  # about 40 on a quiet box
 
 
 def test_a_timed_out_cell_s_timer_never_reaches_the_next_incarnation(session, tmp_path):
-    cell = session.execute(began("import time\ntime.sleep(60)", tmp_path / "c"), timeout=2.0, join=False)
+    # 6 s: the cell's ranks must begin and the restart start before the timer fires, on a busy box too.
+    cell = session.execute(began("import time\ntime.sleep(60)", tmp_path / "c"), timeout=6.0, join=False)
     wait_began(tmp_path / "c", 2)
+    assert not cell.done, "the timer fired before the restart: the premise is gone"
     session.restart()  # before the timer fires
     assert session.wait_ready(120)
     assert cell.done and cell.status == "lost"
-    busy = session.execute("import time\ntime.sleep(3.5)\n'done'", join=False)  # spans the old timer's moment
+    busy = session.execute("import time\ntime.sleep(7.5)\n'done'", join=False)  # spans the old timer's moment
     assert busy.wait(30) == {0: "done", 1: "done"}
 
 

@@ -80,12 +80,15 @@ def stop_at_random(session, code: str, stops: int, seed: int, delays=(0.05, 0.8)
     Returns the reports. Fails naming the seed and the stop that left the ranks apart."""
     rng = random.Random(seed)
     session.execute(code, timeout=60)
-    reports = []
+    reports, times = [], []
     for i in range(stops):
         cell = session.execute("while True:\n    step()", join=False)
         took, report = stop(cell, rng.uniform(*delays))
+        times.append(took)
         where = f"seed {seed}, stop {i} ({report})"
-        assert took < 2.0 and session.status == "idle", f"{where}: idle after {took:.2f} s"
+        # Idle within 2 s is the goal (benchmarks/bench_session.py measures it); one stop in 150 that
+        # a busy box delays must not fail the walk: the median holds the goal, each stop a bound.
+        assert took < 5.0 and session.status == "idle", f"{where}: idle after {took:.2f} s"
         assert "differ" not in report, where
         assert len(set(map(repr, session.execute("replica()", timeout=30).values()))) == 1, where
         before = session.execute("replica()")
@@ -94,6 +97,8 @@ def stop_at_random(session, code: str, stops: int, seed: int, delays=(0.05, 0.8)
         after = session.execute("replica()", timeout=30)
         assert len(set(map(repr, after.values()))) == 1 and after != before, f"{where}: {before} -> {after}"
         reports.append(report)
+    median = sorted(times)[len(times) // 2]
+    assert median < 2.0, f"seed {seed}: idle {median:.2f} s after the median stop (slowest {max(times):.2f} s)"
     return reports
 
 
@@ -120,7 +125,8 @@ def test_every_rank_stops_before_the_same_collective_of_a_ddp_loop(three, tmp_pa
     wait_began(tmp_path / "c", 3)
     took, report = stop(cell, 0.3)
     assert "ranks 0-2 stopped before all_reduce #" in report and "the point they agreed on" in report, report
-    assert took < 0.5, f"a DDP loop stops at the agreed point in {took:.2f} s"
+    # About 0.2 s here when the box is quiet (bench_session.py); the report proves the agreed point.
+    assert took < 1.5, f"a DDP loop stops at the agreed point in {took:.2f} s"
     sums = three.execute("replica()")
     assert len(set(map(repr, sums.values()))) == 1, sums
     print(f"a DDP loop, stopped at the agreed point, is idle in {took * 1e3:.0f} ms: {report}")
@@ -135,7 +141,7 @@ def test_a_stop_swallowed_by_the_loop_is_raised_again_at_every_collective(three,
     cell = three.execute(began(code, tmp_path / "c"), join=False)
     wait_began(tmp_path / "c", 3)
     took, report = stop(cell, 0.3)
-    assert "the point they agreed on" in report and took < 1.0, (took, report)
+    assert "the point they agreed on" in report and took < 2.5, (took, report)
     assert three.execute("caught") == {0: 4, 1: 4, 2: 4}
     assert len(set(map(repr, three.execute("replica()").values()))) == 1
 
@@ -146,7 +152,7 @@ def test_a_loop_without_collectives_is_stopped_where_it_is_at_once(three, tmp_pa
     wait_began(tmp_path / "c", 3)
     took, report = stop(cell, 0.2)
     assert "ranks 0-2 reached no further collective within 0.05 s and were stopped where they were" in report, report
-    assert took < 0.6, f"a loop without collectives stops in {took:.2f} s"
+    assert took < 1.5, f"a loop without collectives stops in {took:.2f} s"
 
 
 @both_starts

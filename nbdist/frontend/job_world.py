@@ -109,6 +109,14 @@ class JobWorld:
         return rebuild_ddp_reducers()
 
     @staticmethod
+    def sync_replicas(src: int) -> dict:
+        """Where the session re-synced its replicas (``%dist_sync``): every DDP model and its
+        optimizers set from rank ``src``'s, as there (:func:`nbdist.worker.replica_sync.sync_replicas`)."""
+        from nbdist.worker.replica_sync import sync_replicas
+
+        return sync_replicas(src)
+
+    @staticmethod
     def keep(namespace: dict, names: list[str]) -> dict:
         """The ranks' own values of ``names``, to put back after a notebook cell that defines them too."""
         return {n: namespace[n] for n in names if n in namespace}
@@ -154,6 +162,7 @@ def join_job(script: str, nprocs: int = 2, backend: str = "auto", env: dict | No
     for key, value in (env or {}).items():
         os.environ.setdefault(key, str(value))  # before the cells import torch; the engine's own wins
     if os.environ.get(JOB_ENV) == script:  # a rank that `python job.py` started: the group is up
+        _track_models()
         return JobWorld(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                         int(os.environ.get("LOCAL_RANK", "0")), files)
     from nbdist.protocol.world import detect_world
@@ -166,9 +175,18 @@ def join_job(script: str, nprocs: int = 2, backend: str = "auto", env: dict | No
     from nbdist.launchers.attach import join_world
 
     _, rank, size, local_rank = join_world(world, backend=backend, reformable=replay)
+    _track_models()
     atexit.register(_leave_group, dist)
     _write_whole_lines()
     return JobWorld(rank, size, local_rank, files)
+
+
+def _track_models() -> None:
+    """Know the DDP models the cells build, as a session's ranks do: a heal's reducer rebuild and a
+    re-sync act on them (a replay's groups track them already; doing it twice is a no-op)."""
+    from nbdist.worker.model_reset import track_ddp_models
+
+    track_ddp_models()
 
 
 def _write_whole_lines() -> None:

@@ -40,7 +40,46 @@ def collect_failures(run) -> dict[int, RankFailure]:
         else:
             f.message = engine_said(run.launcher)
         failures[grank] = f
+    if run.engine_root is None:
+        _tell_own_deaths_from_peers(run, failures)
     return failures
+
+
+TIE_S = 0.05  # exits seen closer than this: found in one look, their order unknown
+_FATAL = "Fatal Python error: "  # what faulthandler writes as a rank dies of SIGSEGV, SIGABRT, ...
+
+
+def _tell_own_deaths_from_peers(run, failures: dict[int, RankFailure]) -> None:
+    """Ranks that left no record and were seen gone together: the one whose log says it died of a
+    fatal signal is the root cause, the others were taken down after it (mpirun and srun kill a
+    dead rank's peers within milliseconds, and say nothing the kernel reads; a kernel slower than
+    that sees both gone at once, and the lower rank's exit first)."""
+    bare = {r: f for r, f in failures.items()
+            if f.traceback is None and not f.secondary and r not in run.timed_out and r not in run.unloadable}
+    fatal = {r: line for r in bare if (line := _fatal_line(run.run_dir, r))}
+    if not fatal or len(fatal) == len(bare):
+        return
+    first = min(fatal, key=lambda r: (bare[r].time, r))
+    for r, f in bare.items():
+        if r in fatal:
+            if f.message is None or f.message.startswith("no traceback"):
+                f.message = fatal[r]
+        elif abs(f.time - bare[first].time) <= TIE_S:
+            f.secondary = True
+            f.message = f"stopped by {run.launcher.name} after rank {first} failed"
+
+
+def _fatal_line(run_dir: str, rank: int) -> str | None:
+    """faulthandler's "Fatal Python error: ..." line in the end of the rank's stderr log, if any."""
+    try:
+        with open(rundir.log_path(run_dir, rank, "stderr"), "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 16384))
+            tail = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return None
+    at = tail.rfind(_FATAL)
+    return tail[at:].split("\n", 1)[0].strip() if at >= 0 else None
 
 
 def _say_where_it_stood(f: RankFailure, dump, in_code: bool) -> None:

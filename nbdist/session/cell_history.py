@@ -39,9 +39,10 @@ class CellRecord:
     ranks: list[int]  # the ranks it ran on
     every_rank: bool  # it ran on every rank of the session (no --ranks)
     # "code" (a cell's source), "function" (Session.run), "values" (push, scatter), "heal" (Session.heal:
-    # it rebuilt every DDP model's reducer, whose next step issues collectives a job must issue too)
+    # it rebuilt every DDP model's reducer, whose next step issues collectives a job must issue too),
+    # "sync" (Session.sync, %dist_sync: the replicas and optimizers set from one rank's)
     what: str = "code"
-    source: str = ""  # code: the text the ranks ran; heal: what it healed
+    source: str = ""  # code: the text the ranks ran; heal: what it healed; sync: the rank synced from
     magic_line: str = ""  # a %%distributed cell's options, as expanded when it ran
     call: tuple | None = None  # function: (fn, args, kwargs)
     value_names: list[str] = field(default_factory=list)  # values: the names it set
@@ -92,6 +93,8 @@ class CellRecord:
         """How the export's header names it: the notebook's ``In [n]``, or the session's cell number."""
         if self.what == "heal":
             return f"the heal ({self.source})"
+        if self.what == "sync":
+            return f"the re-sync from rank {self.source} (%dist_sync)"
         if self.execution_count is not None:
             return f"In [{self.execution_count}]"
         return f"one-shot cell {self.number}" if self.nprocs is not None else f"session cell {self.number}"

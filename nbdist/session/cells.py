@@ -156,7 +156,10 @@ class CellLevel:
         inc = self.incarnation
         if src not in inc.pids:
             raise ValueError(f"rank {src} is not one of the session's ranks ({sorted(inc.pids)})")
-        return describe_sync(self.run(sync_replicas, src, timeout=timeout)[src])
+        cell = self.run(sync_replicas, src, timeout=timeout, join=False)
+        # In the history: it changed the replicas, and an export must change them at the same point.
+        self._record(cell, None, what="sync", source=str(src))
+        return describe_sync(cell.wait()[src])
 
     def interrupt(self) -> None:
         """The stop button: interrupt the running cell, if any; the ranks keep their state."""

@@ -187,7 +187,7 @@ def _why_left_out(record: CellRecord, nprocs: int) -> str | None:
 
 def _why_unexportable(record: CellRecord, nprocs: int) -> str | None:
     """Why a cell can't run in the job, however it ended."""
-    if record.what == "heal":
+    if record.what in ("heal", "sync"):
         return None
     if record.what == "values":
         return (f"it set {', '.join(record.value_names)} from code (Session.push/scatter); the job can't hold "
@@ -203,6 +203,9 @@ def _step_of(record: CellRecord, nprocs: int) -> JobStep:
     if record.what == "heal":  # the ranks' DDP models got new reducers, whose first step rebuilds buckets
         return JobStep(f"{record.label} · every rank", "_job.rebuild_ddp_models()  # as the heal did: the same "
                        "collectives in the next step")
+    if record.what == "sync":  # the replicas a stop or a --ranks cell left apart are set alike again
+        return JobStep(f"{record.label} · every rank", f"_job.sync_replicas({int(record.source)})  # as %dist_sync "
+                       "did: every DDP replica and its optimizer from that rank's")
     ranks = None if record.every_rank or sorted(record.ranks) == list(range(nprocs)) else sorted(record.ranks)
     on = "every rank" if ranks is None else f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
     label = f"{record.label}{f' · cell {record.cell_id[:8]}' if record.cell_id else ''} · {on}"
