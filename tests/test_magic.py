@@ -157,9 +157,14 @@ def test_tqdm_bar_is_one_updating_line(kernel):
     assert all(sum("%|" in line for line in t.splitlines()) <= 1 for t in res.widget_text()), res.widget_text()
 
 
-def test_bg_returns_at_once_then_wait(kernel):
-    res = kernel.run("%%distributed -n 2 --bg --view text\nimport time\ntime.sleep(3)\n'slept'")
-    assert res.status == "ok" and res.seconds < 3.0, res.seconds
+def test_bg_returns_at_once_then_wait(kernel, tmp_path):
+    """The --bg cell returns while its ranks still run: they wait for a file only the test writes after."""
+    flag = str(tmp_path / "go")
+    res = kernel.run(f"%%distributed -n 2 --bg --view text\nimport os, time\nfor _ in range(1200):\n"
+                     f"    if os.path.exists({flag!r}):\n        break\n    time.sleep(0.05)\n'slept'")
+    assert res.status == "ok", res.error_text
+    assert kernel.run("_dist.status").result in ("'starting'", "'running'"), "returned before its ranks ended"
+    open(flag, "w").close()
     res = kernel.run("_dist.wait()")
     assert res.status == "ok" and res.result == "{0: 'slept', 1: 'slept'}"
 

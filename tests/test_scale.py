@@ -78,24 +78,38 @@ def test_a_session_whose_rank_never_connects_says_which_and_where_within_its_dea
     """A rank frozen (SIGSTOP) as it starts: its peers wait for it in the process group's start and
     none of them connects. At the deadline the session says which ranks never connected and where
     they were, and stops the tree; never "starting" for ever."""
-    t0 = time.monotonic()
-    s = nbdist.Session(nprocs=2, start_method=start, start_timeout=12)
+    s = None
     try:
-        # Polled each millisecond: a warm rank connects within some tens of them after its fork.
-        wait_for(lambda: s.rank_run is not None and 1 in s.rank_run.pids, 30, interval=0.001, what="rank 1 to exist")
-        frozen = s.rank_run.pids[1]
-        os.kill(frozen, signal.SIGSTOP)
-        with pytest.raises(SessionLostError) as info:
-            s.wait_ready(60)
-        took = time.monotonic() - t0
-        text = str(info.value)
+        for attempt in range(3):
+            t0 = time.monotonic()
+            s = nbdist.Session(nprocs=2, start_method=start, start_timeout=12)
+            # Polled each millisecond: a warm rank connects within some tens of them after its fork. A
+            # busy box may run it past that before this thread looks: the session then comes up, and
+            # it is tried again.
+            wait_for(lambda: s.rank_run is not None and 1 in s.rank_run.pids, 30, interval=0.001,
+                     what="rank 1 to exist")
+            frozen = s.rank_run.pids[1]
+            os.kill(frozen, signal.SIGSTOP)
+            try:
+                came_up = s.wait_ready(60)
+            except SessionLostError as exc:
+                took, text = time.monotonic() - t0, str(exc)
+                break
+            assert came_up, s.status
+            os.kill(frozen, signal.SIGCONT)
+            s.close()
+            s = None
+            print(f"attempt {attempt}: rank 1 connected before it was frozen; again")
+        else:
+            pytest.fail("rank 1 connected before it was frozen, three times")
         assert "could not start within 12 s" in text and "never connected" in text, text
         assert "rank 1 left no stack" in text, text
         assert "start_timeout=" in text and s.status == "broken", text
         assert took < 30, took
         wait_for(lambda: not marked_pids(s.session_id), 10, what="the session's tree to go")
     finally:
-        s.close()
+        if s is not None:
+            s.close()
     print(f"a rank that never connects -> said in {took:.1f} s: {text}")
 
 

@@ -205,7 +205,9 @@ def test_a_rank_that_raises_while_its_peers_wait_in_a_collective_keeps_the_sessi
     err = info.value
     assert err.rank == 1 and "ValueError: bad shard" in str(err) and 'cell.py", line 4' in str(err), str(err)
     assert "re-formed in place" in str(err) and "rank 0 waited in a collective that its peers had left, and was released" in str(err), str(err)
-    assert took < 2.5 and session.status == "idle"
+    # At once, not after gloo's timeout: 0.5 s of the cell's own sleep, the release, the re-forming
+    # (about 1.2 s on a quiet box; benchmarks/bench_session.py measures it).
+    assert took < 4.0 and session.status == "idle"
     assert session.execute(ALL_REDUCE, timeout=30) == {0: 3.0, 1: 3.0}
     assert session.execute("kept") == {0: "still here", 1: "still here"}
     print(f"raise with a peer in a collective -> error in {took:.2f} s; "
@@ -220,7 +222,7 @@ def test_a_rank_that_raises_in_ddp_training_leaves_a_model_that_trains_on(sessio
         session.execute("for i in range(10**6):\n    if i == 7 and dist.get_rank() == 1:\n"
                         "        raise RuntimeError('NaN loss')\n    step()")
     took = time.monotonic() - t0
-    assert info.value.rank == 1 and "NaN loss" in str(info.value) and took < 2.0, str(info.value)
+    assert info.value.rank == 1 and "NaN loss" in str(info.value) and took < 4.0, str(info.value)  # 7 steps too
     _trains_on(session, before, str(info.value))
     print(f"a rank raised in DDP training -> error in {took:.2f} s; {info.value.note}")
 
@@ -248,7 +250,9 @@ def test_interrupt_a_ddp_loop_with_a_rank_stuck_in_backward_keeps_the_model(sess
                            f"        pathlib.Path({str(marker)!r}).touch()\n        time.sleep(600)\n    step()",
                            join=False)
     wait_for(marker.exists, 30, what="rank 0 to stop at step 20")
-    time.sleep(0.3)  # rank 1 is in its next backward within milliseconds
+    # Rank 1 is in its next backward's all_reduce within milliseconds on a quiet box: asked, not assumed.
+    wait_for(lambda: session.collectives().get(1, {}).get("open"), 30, interval=0.1,
+             what="rank 1 to wait in its gradient all_reduce")
     t0 = time.monotonic()
     cell.interrupt()
     took = time.monotonic() - t0
@@ -257,7 +261,7 @@ def test_interrupt_a_ddp_loop_with_a_rank_stuck_in_backward_keeps_the_model(sess
     text = str(info.value)
     assert "idle again, their state kept" in text and "re-formed in place" in text, text
     assert "rank 1 waited in a collective" in text, text
-    assert took < 2.0 and session.status == "idle"
+    assert took < 3.0 and session.status == "idle"
     _trains_on(session, before, text)
     print(f"stop button, rank 1 stuck in backward -> idle in {took:.2f} s: {info.value.report}")
 
@@ -275,7 +279,7 @@ def test_interrupt_a_ddp_training_loop_anywhere_keeps_the_model(session, tmp_pat
         with pytest.raises(RunStoppedError) as info:
             cell.wait(30)
         took = time.monotonic() - t0
-        assert took < 2.0 and session.status == "idle", info.value
+        assert took < 3.0 and session.status == "idle", info.value
         print(f"stop button in a DDP loop -> idle in {took:.2f} s: {info.value.report}")
         said += str(info.value)
     _trains_on(session, before, said)
@@ -363,7 +367,8 @@ def test_four_ranks_in_a_ring_all_reduce_are_all_released_when_one_rank_is_missi
                          f"if dist.get_rank() == 0:\n    pathlib.Path({str(marker)!r}).touch()\n    time.sleep(600)\n"
                          f"dist.all_reduce(t)", join=False)
         wait_for(marker.exists, 60, what="rank 0 to sleep")
-        time.sleep(0.3)
+        wait_for(lambda: all(s.collectives().get(r, {}).get("open") for r in (1, 2, 3)), 30, interval=0.1,
+                 what="ranks 1-3 to wait in the all_reduce")
         t0 = time.monotonic()
         cell.interrupt()
         with pytest.raises(RunStoppedError, match="ranks 1-3 waited in a collective that their peers had left"):
