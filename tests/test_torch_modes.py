@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from conftest import began, wait_began
+
 import nbdist
 from nbdist.errors import RunStoppedError
 from nbdist.worker.torch_modes import note_modes, restore_modes
@@ -32,13 +34,14 @@ def test_restore_puts_back_each_mode_a_stop_left_changed_and_says_which():
     assert w.grad.tolist() == [3.0, 3.0] and not torch.is_inference_mode_enabled()
 
 
-def test_a_stopped_cell_that_left_grad_mode_and_autocast_changed_gets_them_back_and_trains_on(start_method):
+def test_a_stopped_cell_that_left_grad_mode_and_autocast_changed_gets_them_back_and_trains_on(start_method, tmp_path):
     with nbdist.Session(nprocs=2) as session:
         assert session.wait_ready(120)
         session.execute("import torch, torch.distributed as dist")
+        # Each rank says when its modes are changed: the stop comes after, on both (not after a fixed sleep).
         cell = session.execute("torch.set_grad_enabled(False)\ntorch.set_autocast_enabled('cpu', True)\n"
-                               "import time\nwhile True:\n    time.sleep(0.01)", join=False)
-        time.sleep(1.0)
+                               + began("import time\nwhile True:\n    time.sleep(0.01)", tmp_path / "c"), join=False)
+        wait_began(tmp_path / "c", 2)
         cell.interrupt()
         with pytest.raises(RunStoppedError) as err:
             cell.wait(30)
