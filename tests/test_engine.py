@@ -144,7 +144,7 @@ def test_interrupt_stops_ranks_and_dataloader_grandchildren(tmp_path):
     elapsed = time.monotonic() - t0
     assert run.status == "interrupted"
     assert report.ranks == 4 and report.children >= 8 and not report.survivors
-    assert elapsed <= 5.5
+    assert elapsed <= 7.0, elapsed  # the ladder's one 5 s deadline, then the look that the tree is gone
     assert not [p for p in tree | set(run.pids.values()) if psutil.pid_exists(p) and
                 psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     with pytest.raises(nbdist.RunStoppedError, match="interrupted"):
