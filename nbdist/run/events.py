@@ -8,7 +8,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["RankStatus", "RunEvent", "OutputChunk", "DisplayEvent", "EventSource", "TERMINAL"]
+__all__ = ["RankStatus", "RunEvent", "OutputChunk", "DisplayEvent", "EventSource", "TERMINAL", "EXITS_TIED_S"]
+
+# Exits seen closer than this were found in one look (a reader or a monitor tick behind an engine that
+# took a dead rank's peers down at once): which went first is not known. One rule for every reader of them.
+EXITS_TIED_S = 0.05
 
 log = logging.getLogger("nbdist.run")
 

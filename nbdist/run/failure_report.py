@@ -8,6 +8,7 @@ import time
 
 from nbdist.errors import RankFailure, describe_exitcode
 from nbdist.protocol import rundir
+from nbdist.run.events import EXITS_TIED_S
 
 __all__ = ["collect_failures", "engine_said"]
 
@@ -45,7 +46,6 @@ def collect_failures(run) -> dict[int, RankFailure]:
     return failures
 
 
-TIE_S = 0.05  # exits seen closer than this: found in one look, their order unknown
 _FATAL = "Fatal Python error: "  # what faulthandler writes as a rank dies of SIGSEGV, SIGABRT, ...
 
 
@@ -64,7 +64,7 @@ def _tell_own_deaths_from_peers(run, failures: dict[int, RankFailure]) -> None:
         if r in fatal:
             if f.message is None or f.message.startswith("no traceback"):
                 f.message = fatal[r]
-        elif abs(f.time - bare[first].time) <= TIE_S:
+        elif abs(f.time - bare[first].time) <= EXITS_TIED_S:
             f.secondary = True
             f.message = f"stopped by {run.launcher.name} after rank {first} failed"
 

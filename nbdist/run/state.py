@@ -27,7 +27,7 @@ from nbdist.protocol.rundir import RunSpec
 from nbdist.run import ending
 from nbdist.run.at_exit import close_at_exit
 from nbdist.run.ending import INTERRUPT_LADDER, KILL_LADDER
-from nbdist.run.events import TERMINAL, EventSource, RankStatus, RunEvent
+from nbdist.run.events import EXITS_TIED_S, TERMINAL, EventSource, RankStatus, RunEvent
 from nbdist.run.output import RankOutput
 from nbdist.run.teardown import StopReport
 
@@ -150,13 +150,13 @@ class Run(EventSource):
         if local is not None:
             self.exit_seen.setdefault(local, time.time())
 
-    def first_gone(self, tie_s: float = 0.01) -> list[int]:
+    def first_gone(self) -> list[int]:
         """The global ranks seen gone first: the earliest, and any seen in the same look (a reader or
         a monitor tick that found several closed at once can't tell which went first)."""
         if not self.exit_seen:
             return []
         first = min(self.exit_seen.values())
-        return sorted(self.global_rank(r) for r, t in self.exit_seen.items() if t - first <= tie_s)
+        return sorted(self.global_rank(r) for r, t in self.exit_seen.items() if t - first <= EXITS_TIED_S)
 
     def replace_rank(self, grank: int, env: dict[str, str]) -> int:
         """A session's heal: start rank ``grank``, which ended, again under this run (the same marker,
