@@ -114,8 +114,11 @@ with nbdist.Session(nprocs=1, backend="nccl") as s:
     print("CUT", s.execute("rg.cut_groups()\\nrg.reform_groups(8)\\nv = torch.ones(5, device='cuda')\\n"
                            "dist.all_reduce(v)\\nv.sum().item()"))
     print("STATUS", s.status)
+    # No device bound to the default group: a DeviceMesh's groups are then made by new_group, which a
+    # heal replays (with a bound device torch makes them by split_group, which it can't).
+    print("UNBOUND", s.execute("dist.distributed_c10d._get_default_group().bound_device_id is None"))
 """))
-    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out, out
+    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out and "UNBOUND {0: True}" in out, out
     assert "STOPPED True" in out and "KEPT {0: True}" in out, out
     assert "REFORMED {0: (3.0, True)}" in out and "CUT {0: 5.0}" in out and "STATUS idle" in out, out
 
@@ -298,10 +301,50 @@ def test_nvidia_smi_is_there():
     assert shutil.which("nvidia-smi"), "the GPU checks read GPU memory with nvidia-smi"
 
 
+def test_gloo_session_ranks_share_one_gpu_and_a_healed_rank_gets_the_donors_cuda_state(run_script):
+    """Issue 28 on one GPU. Several ranks on one GPU can't use NCCL (it wants a GPU each), so a gloo
+    session's groups take CUDA tensors, as torch's own gloo group does (they once took CPU tensors
+    only). Rank 1 dies; the heal copies the survivors' DDP model, Adam state and tensor through the
+    host onto the new rank's device, and the three ranks train on in step."""
+    out = _result(_kernel(run_script, """
+import signal
+with nbdist.Session(nprocs=3, backend="gloo") as s:
+    s.wait_ready(180)
+    s.execute('''
+import torch, torch.distributed as dist
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 1).cuda())
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+def step():
+    model(torch.ones(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return round(sum(p.sum().item() for p in model.parameters()), 6)
+step()
+w = torch.arange(8., device="cuda")
+''')
+    os.kill(s.pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while s.status != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("HEALED", s.heal())
+    print("DEVICES", s.execute("p = next(model.parameters())\\n"
+                               "(str(w.device), str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids)"))
+    print("STEPS", s.execute("[step() for _ in range(3)]"))
+    print("SUM", s.execute("t = w.clone()\\ndist.all_reduce(t)\\nt.sum().item()"))
+"""), timeout=400)
+    here = 1 % GPUS  # cuda:{local_rank % device_count}
+    assert f"1: ('cuda:{here}', 'cuda:{here}', 'cuda:{here}', [{here}])" in out, out
+    steps = eval(out.split("STEPS ", 1)[1].splitlines()[0])
+    assert len(set(map(tuple, steps.values()))) == 1 and len(steps) == 3, out
+    assert "SUM {0: 84.0, 1: 84.0, 2: 84.0}" in out, out
+
+
 @several
 def test_a_healed_rank_gets_the_donors_cuda_tensors_on_its_own_device(run_script):
-    """Issue 28 on GPUs: rank 1 (cuda:1) dies; the heal copies rank 0's model and tensor, and they
-    arrive on cuda:1, where the new rank's NCCL collectives then run with its peers."""
+    """Issue 28 on GPUs: rank 1 (cuda:1) dies; the heal copies rank 0's DDP model and Adam state (one
+    survivor: what nbdist knows is replicated), and they arrive on cuda:1, where the new rank's NCCL
+    collectives then run with its peers."""
     out = _result(_kernel(run_script, """
 import signal
 with nbdist.Session(nprocs=2, backend="nccl") as s:
@@ -310,16 +353,19 @@ with nbdist.Session(nprocs=2, backend="nccl") as s:
 import torch, torch.distributed as dist
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 1).cuda())
-w = torch.arange(8., device="cuda")
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+model(torch.ones(4, 64, device="cuda")).sum().backward()
+opt.step()
 ''')
     os.kill(s.pids[1], signal.SIGKILL)
     deadline = time.monotonic() + 60
     while s.status != "degraded" and time.monotonic() < deadline:
         time.sleep(0.1)
     print("HEALED", s.heal())
-    print("DEVICES", s.execute("(str(w.device), str(next(model.parameters()).device), model.device_ids)"))
-    print("SUM", s.execute("t = w.clone()\\ndist.all_reduce(t)\\nmodel(torch.ones(4, 64, device='cuda')).sum().backward()\\n"
-                           "t.sum().item()"))
+    print("DEVICES", s.execute("p = next(model.parameters())\\n"
+                               "(str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids)"))
+    print("SUM", s.execute("t = torch.ones(8, device='cuda')\\ndist.all_reduce(t)\\n"
+                           "model(torch.ones(4, 64, device='cuda')).sum().backward()\\nt.sum().item()"))
 """), timeout=400)
     assert "DEVICES {0: ('cuda:0', 'cuda:0', [0]), 1: ('cuda:1', 'cuda:1', [1])}" in out, out
-    assert "SUM {0: 56.0, 1: 56.0}" in out, out
+    assert "SUM {0: 16.0, 1: 16.0}" in out, out

@@ -379,3 +379,19 @@ def test_the_other_nodes_hear_the_rank_that_went_first_never_a_peer_taken_down_a
         pairs[rank][1].close()
     reader.join(5)
     assert not reader.is_alive()
+
+
+def test_a_spawned_ranks_entry_names_are_never_listed_as_the_users(monkeypatch):
+    # Seen while preparing the one-GPU heal check: a spawned rank's ``__main__`` is multiprocessing's
+    # entry, and the heal listed its ``spawn_main`` among the user's names ("not copied: spawn_main, w").
+    import nbdist
+
+    monkeypatch.setenv("NBDIST_START_METHOD", "spawn")
+    with nbdist.Session(nprocs=2) as s:
+        assert s.wait_ready(120)
+        s.execute("w = 1")
+        os.kill(s.pids[1], signal.SIGKILL)
+        wait_for(lambda: s.status == "degraded", 30, what="the session to be degraded")
+        message = str(s.heal())
+        judged = next(line for line in message.splitlines() if "nothing to compare" in line)
+        assert judged.endswith(": w"), message

@@ -214,6 +214,8 @@ def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
     saved = os.environ.get("TORCH_DIST_INIT_BARRIER")
     os.environ["TORCH_DIST_INIT_BARRIER"] = "0" if os.environ.get("NBDIST_HEAL_GENERATION") else "1"
     try:
+        # No device_id: with a device bound, torch makes a DeviceMesh's groups by split_group
+        # (ncclCommSplit), which a heal can't replay on a new rank; new_group's it can.
         dist.init_process_group(
             backend=backend, init_method=spec.init_method, rank=identity.rank, world_size=identity.world_size
         )

@@ -8,8 +8,10 @@ group call that made its own group (:func:`reduce_mesh`); the new rank, whose re
 donor's (:mod:`nbdist.worker.group_replay`), builds the mesh without making groups and takes, for
 each dimension, its own group made by the call of its row nearest that index (:func:`rebuild_mesh`).
 
-Root meshes only: a slice (``mesh["tp"]``) is made again from its root on the new rank. A mesh
-whose groups ``split_group`` made (NCCL with a bound device) was not recorded, and is not copied.
+Root meshes only: a slice (``mesh["tp"]``) is made again from its root on the new rank. A session's
+default group binds no device (:func:`nbdist.worker.bootstrap.init_distributed`), so torch makes a
+mesh's groups with ``new_group``, on GPUs too; a mesh whose groups ``split_group`` made (torchcomms)
+was not recorded, and is not copied.
 """
 
 from __future__ import annotations

@@ -33,12 +33,13 @@ from nbdist.protocol.shared_values import IN_BAND_UNDER, load_shared, tensor_buf
 from nbdist.worker import mesh_copy, optimizer_steps
 from nbdist.worker.group_replay import group_fingerprint, group_reference, made_group, resolve_group
 
-__all__ = ["fingerprint_names", "export_names", "import_names", "import_shared_names", "user_names",
+__all__ = ["fingerprint_names", "export_names", "import_names", "import_shared_names", "user_names", "note_entry_names",
            "replicated_names", "rebuild_ddp_reducers", "RANK_BOUND"]
 
 RANK_BOUND = ("torch.utils.data.DistributedSampler", "torch.utils.data.DataLoader (its sampler)",
               "torch.distributed.device_mesh.DeviceMesh (its own groups)")
 _SKIP = {"In", "Out", "exit", "quit", "get_ipython"}
+_ENTRY: dict = {}  # what the process's entry left in __main__ (spawn's spawn_main, torchrun's main)
 # False while a fingerprint leaves tensors' bytes out: one survivor has nobody to compare them with,
 # and reading a model's gigabytes would be most of its heal.
 _TENSOR_BYTES = contextvars.ContextVar("nbdist_fingerprint_tensor_bytes", default=True)
@@ -142,7 +143,15 @@ def _dumps(value, buffers: list | None = None) -> bytes:
 def user_names() -> dict:
     """The names cells made in this rank's ``__main__`` (not nbdist's, not the interpreter's)."""
     main = sys.modules["__main__"].__dict__
-    return {k: v for k, v in main.items() if not k.startswith("_") and k not in _SKIP}
+    return {k: v for k, v in main.items()
+            if not k.startswith("_") and k not in _SKIP and not (k in _ENTRY and _ENTRY[k] is v)}
+
+
+def note_entry_names() -> None:
+    """Before the first cell: the names ``__main__`` holds now are the entry's (``python -c "from
+    multiprocessing.spawn import spawn_main; ..."``), not the user's; :func:`user_names` leaves them
+    out while they hold the same value. They stay: the entry reads them again on its way out."""
+    _ENTRY.update({k: v for k, v in sys.modules["__main__"].__dict__.items() if not k.startswith("_")})
 
 
 def fingerprint_names(tensor_bytes: bool = True) -> dict[str, str]:

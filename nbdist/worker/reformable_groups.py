@@ -85,28 +85,14 @@ class ReformableGroup(dist.ProcessGroup):
     def _connect(self, connect_timeout: float | None = None):
         """A new inner torch group under this generation's store prefix (blocks until every member
         joins, within ``connect_timeout`` seconds where given: a heal's peer may die meanwhile)."""
-        from torch._C._distributed_c10d import ProcessGroupGloo
-
         store = dist.PrefixStore(f"nbdist-gen{self.generation}/", self._store)
         before = set(_socket_inodes().values())
         inner = _CProcessGroup(store, self.rank(), self.size())
-        default = None
+        default, made_by = None, {}
         for device, backend in self._devices.items():
-            device_store = dist.PrefixStore(f"{device}/", store)
-            if backend == "gloo":
-                opts = ProcessGroupGloo._Options()
-                opts._timeout = (min(self._timeout, timedelta(seconds=connect_timeout)) if connect_timeout
-                                 else self._timeout)
-                opts._devices = [ProcessGroupGloo.create_default_device()]
-                made, kind = ProcessGroupGloo(device_store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.GLOO
-            else:  # nccl: only where CUDA is (the worker asks for it then)
-                from torch._C._distributed_c10d import ProcessGroupNCCL
-
-                opts = ProcessGroupNCCL.Options()
-                opts._timeout = self._timeout
-                made, kind = ProcessGroupNCCL(device_store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.NCCL
-            if connect_timeout and backend == "gloo":
-                made.set_timeout(self._timeout)  # connected: the collectives' own timeout again
+            if backend not in made_by:  # gloo serves CPU and CUDA tensors over one set of connections
+                made_by[backend] = self._make_backend(backend, dist.PrefixStore(f"{device}/", store), connect_timeout)
+            made, kind = made_by[backend]
             inner._register_backend(torch.device(device), kind, made)
             default = kind if default is None or device != "cpu" else default
         inner._set_default_backend(default)
@@ -114,6 +100,25 @@ class ReformableGroup(dist.ProcessGroup):
         # the rank gets stuck in one of its collectives with no peer free to release it.
         self._sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
         return inner
+
+    def _make_backend(self, backend: str, store, connect_timeout: float | None):
+        """One torch backend of the inner group, and its kind: gloo's connects its full mesh now."""
+        from torch._C._distributed_c10d import ProcessGroupGloo
+
+        if backend == "gloo":
+            opts = ProcessGroupGloo._Options()
+            opts._timeout = (min(self._timeout, timedelta(seconds=connect_timeout)) if connect_timeout
+                             else self._timeout)
+            opts._devices = [ProcessGroupGloo.create_default_device()]
+            made = ProcessGroupGloo(store, self.rank(), self.size(), opts)
+            if connect_timeout:
+                made.set_timeout(self._timeout)  # connected: the collectives' own timeout again
+            return made, _CProcessGroup.BackendType.GLOO
+        from torch._C._distributed_c10d import ProcessGroupNCCL  # only where CUDA is (the worker asks for it then)
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = self._timeout
+        return ProcessGroupNCCL(store, self.rank(), self.size(), opts), _CProcessGroup.BackendType.NCCL
 
     def release(self) -> None:
         """Drop the connections: a peer waiting in a collective of this group fails at once."""
@@ -254,10 +259,12 @@ def register(backend: str) -> str:
     """Make ``"nbdist"`` a torch backend that wraps ``backend`` ("gloo" or "nccl"); return its name.
 
     With NCCL, CPU tensors go through gloo (as ``"cpu:gloo,cuda:nccl"`` would), so object
-    collectives and checkpoints of CPU state keep working.
+    collectives and checkpoints of CPU state keep working. With gloo, CUDA tensors go through
+    gloo too, as they do in torch's own gloo group: several ranks sharing one GPU can't use NCCL.
     """
     _DEVICES.clear()
-    _DEVICES.update({"cpu": "gloo"} if backend == "gloo" else {"cpu": "gloo", "cuda": "nccl"})
+    # As torch's own "gloo" does, gloo also takes CUDA tensors (a one-GPU box's ranks share it).
+    _DEVICES.update({"cpu": "gloo", "cuda": backend})
     if not hasattr(dist.Backend, BACKEND_NAME.upper()):
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=list(_DEVICES))
     track_ddp_models()

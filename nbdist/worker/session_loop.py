@@ -187,8 +187,10 @@ def serve_session(session_dir: str, address) -> None:
     from nbdist.worker import debugger, display, stop_point
     from nbdist.worker.autoreload import take_report, track
     from nbdist.worker.cell_reach import attach_reach, group_counts
+    from nbdist.worker.namespace_copy import note_entry_names
     from nbdist.worker.torch_modes import note_modes, restore_modes
 
+    note_entry_names()  # what the heal copies and lists: the user's names only
     display.install(send_display)  # display() and plt.show() reach the notebook
     track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
     threading.Thread(target=answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
