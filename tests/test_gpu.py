@@ -116,9 +116,11 @@ with nbdist.Session(nprocs=1, backend="nccl") as s:
     print("STATUS", s.status)
     # No device bound to the default group: a DeviceMesh's groups are then made by new_group, which a
     # heal replays (with a bound device torch makes them by split_group, which it can't).
-    print("UNBOUND", s.execute("dist.distributed_c10d._get_default_group().bound_device_id is None"))
+    # NCCL's errors raise in a session instead of ending the rank (its watchdog's cleanup-only mode).
+    print("UNBOUND", s.execute("(dist.distributed_c10d._get_default_group().bound_device_id is None, "
+                               "__import__('os').environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING'))"))
 """))
-    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out and "UNBOUND {0: True}" in out, out
+    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out and "UNBOUND {0: (True, '2')}" in out, out
     assert "STOPPED True" in out and "KEPT {0: True}" in out, out
     assert "REFORMED {0: (3.0, True)}" in out and "CUT {0: 5.0}" in out and "STATUS idle" in out, out
 
@@ -329,12 +331,13 @@ w = torch.arange(8., device="cuda")
         time.sleep(0.1)
     print("HEALED", s.heal())
     print("DEVICES", s.execute("p = next(model.parameters())\\n"
-                               "(str(w.device), str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids)"))
+                               "(str(w.device), str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids, "
+                               "str(model.device))"))
     print("STEPS", s.execute("[step() for _ in range(3)]"))
     print("SUM", s.execute("t = w.clone()\\ndist.all_reduce(t)\\nt.sum().item()"))
 """), timeout=400)
     here = 1 % GPUS  # cuda:{local_rank % device_count}
-    assert f"1: ('cuda:{here}', 'cuda:{here}', 'cuda:{here}', [{here}])" in out, out
+    assert f"1: ('cuda:{here}', 'cuda:{here}', 'cuda:{here}', [{here}], 'cuda:{here}')" in out, out
     steps = eval(out.split("STEPS ", 1)[1].splitlines()[0])
     assert len(set(map(tuple, steps.values()))) == 1 and len(steps) == 3, out
     assert "SUM {0: 84.0, 1: 84.0, 2: 84.0}" in out, out
@@ -363,9 +366,9 @@ opt.step()
         time.sleep(0.1)
     print("HEALED", s.heal())
     print("DEVICES", s.execute("p = next(model.parameters())\\n"
-                               "(str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids)"))
+                               "(str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids, str(model.device))"))
     print("SUM", s.execute("t = torch.ones(8, device='cuda')\\ndist.all_reduce(t)\\n"
                            "model(torch.ones(4, 64, device='cuda')).sum().backward()\\nt.sum().item()"))
 """), timeout=400)
-    assert "DEVICES {0: ('cuda:0', 'cuda:0', [0]), 1: ('cuda:1', 'cuda:1', [1])}" in out, out
+    assert "DEVICES {0: ('cuda:0', 'cuda:0', [0], 'cuda:0'), 1: ('cuda:1', 'cuda:1', [1], 'cuda:1')}" in out, out
     assert "SUM {0: 16.0, 1: 16.0}" in out, out

@@ -61,19 +61,21 @@ def option_rows(parser: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
 
 
 def magic_entries():
-    """``(name, prefix, function)`` for each magic of :class:`~nbdist.frontend.magics.DistributedMagics`.
+    """``(name, prefix, function)`` for each magic that ``%load_ext nbdist`` registers.
 
-    In the order the class defines them (cell magic first), the prefix ``%%`` for a cell magic and
-    ``%`` for a line magic.
+    :class:`~nbdist.frontend.magics.DistributedMagics` (the cell magic and the session's), then
+    :class:`~nbdist.frontend.process_magics.ProcessMagics`, each in the order its class defines them,
+    with the prefix ``%%`` for a cell magic and ``%`` for a line magic.
     """
     from nbdist.frontend.magics import DistributedMagics
+    from nbdist.frontend.process_magics import ProcessMagics
 
-    cells = set(DistributedMagics.magics["cell"])
-    lines = set(DistributedMagics.magics["line"])
     out = []
-    for name, func in vars(DistributedMagics).items():  # the class body's order
-        if name in cells or name in lines:
-            out.append((name, "%%" if name in cells else "%", func))
+    for magics in (DistributedMagics, ProcessMagics):
+        cells, lines = set(magics.magics["cell"]), set(magics.magics["line"])
+        for name, func in vars(magics).items():  # the class body's order
+            if name in cells or name in lines:
+                out.append((name, "%%" if name in cells else "%", func))
     return out
 
 

@@ -168,14 +168,21 @@ def export_rank_env(spec: RunSpec, identity: RankIdentity) -> None:
     os.environ.update({k: str(v) for k, v in env.items()})
 
 
-def resolve_backend(backend: str) -> str:
-    """``"auto"`` is nccl where CUDA is available and gloo otherwise."""
+def resolve_backend(backend: str, local_world_size: int | None = None) -> str:
+    """``"auto"`` is nccl where each rank of this machine has a GPU of its own, and gloo otherwise.
+
+    Several ranks on one GPU (``--nprocs 4`` on a one-GPU workstation) can't use NCCL, which fails
+    at the first collective ("Duplicate GPU detected"); gloo takes their CUDA tensors.
+    ``local_world_size``: the ranks on this machine (default ``$LOCAL_WORLD_SIZE``, else 1).
+    """
     if backend != "auto":
         return backend
     import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available() and dist.is_nccl_available():
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= local_world_size:
         return "nccl"
     return "gloo"
 

@@ -406,6 +406,7 @@ def _own_device_ids(model) -> None:
     if getattr(model, "device_ids", None) and torch.cuda.is_available():
         here = torch.cuda.current_device()
         model.device_ids, model.output_device = [here], here
+        model.device = torch.device("cuda", here)  # Join's flag tensors are made there
 
 
 def rebuild_ddp_reducers() -> int:

@@ -68,6 +68,7 @@ def answer_signals(running: RunningCell, rank: int) -> None:
         return
     while True:
         sig = signal.sigwait(RANK_THREAD_SIGNALS)
+        _use_rank_device()
         with running.lock:
             if running.cell_dir is None:
                 continue
@@ -88,6 +89,15 @@ def answer_signals(running: RunningCell, rank: int) -> None:
             cut = reformable_groups.cut_groups()
         print(f"nbdist: cut this rank's process group connections ({cut}): it was stuck in a collective when "
               f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
+
+
+def _use_rank_device() -> None:
+    """This thread on the rank's own GPU, as its main thread is (``bind_device``): a CUDA device is
+    per thread, and an NCCL abort or a flight-recorder read here would otherwise make a context on
+    GPU 0, another rank's GPU (hundreds of MiB each)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK") or 0) % torch.cuda.device_count())
 
 
 def _answer_stop_point(cell_dir: str, rank: int) -> None:
