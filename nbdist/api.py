@@ -41,8 +41,9 @@ def launch(fn, *args, nprocs=None, launcher="auto", dist_url="auto", backend="au
     dist_url : str
         "auto" (a loopback port that the kernel holds for the run), "env://" or "tcp://HOST:PORT".
     backend : str
-        "auto" is nccl where each rank of a machine has a GPU of its own, and gloo
-        otherwise (several ranks sharing a GPU: gloo takes their CUDA tensors).
+        "auto" is nccl where CUDA is available and gloo otherwise; gloo also where more
+        ranks that nbdist starts on one machine would share its GPUs than it has (NCCL wants a
+        GPU per rank; gloo takes their CUDA tensors).
     init_process_group : bool
         Initialise the default process group before ``fn`` runs.
     timeout : float, optional

@@ -85,7 +85,7 @@ class WorldOptions:
     nprocs: int | None = _option(None, "number of ranks (default: the number of GPUs, or 2 without one)",
                                  ("-n", "--nprocs"), shape=True, type=int)
     launcher: str = _option("auto", "auto, spawn, attach, torchrun, mpirun or srun", ("--launcher",), shape=True)
-    backend: str = _option("auto", "auto (nccl where each rank has a GPU of its own, else gloo), gloo or nccl", ("--backend",), shape=True)
+    backend: str = _option("auto", "auto (nccl with CUDA, gloo without or where ranks would share a GPU), gloo or nccl", ("--backend",), shape=True)
     dist_url: str = _option("auto", session=False)
     init_process_group: bool = _option(True, "don't initialise the process group", ("--no-init",), session=False,
                                        action="store_false", dest="init_process_group")

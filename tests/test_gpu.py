@@ -71,10 +71,15 @@ def on_gpu():
     return (t.sum().item(), str(t.device), torch.cuda.current_device(), dist.get_backend())
 print("AUTO", nbdist.launch(on_gpu, nprocs=1))
 print("NCCL", nbdist.launch(on_gpu, nprocs=1, backend="nccl"))
+print("SHARED", nbdist.launch(on_gpu, nprocs=GPUS + 1))
 print("CUDA IN KERNEL", torch.cuda.is_initialized())
-"""))
+""".replace("GPUS", str(GPUS))))
     assert "AUTO {0: (4.0, 'cuda:0', 0, 'nccl')}" in out, out  # auto is nccl where CUDA is
     assert "NCCL {0: (4.0, 'cuda:0', 0, 'nccl')}" in out and "CUDA IN KERNEL False" in out, out
+    # More ranks than GPUs: NCCL would refuse the shared GPU; auto is gloo, on CUDA tensors
+    shared = eval(out.split("SHARED ", 1)[1].splitlines()[0])
+    assert {v[0] for v in shared.values()} == {4.0 * (GPUS + 1)} and {v[3] for v in shared.values()} == {"gloo"}, out
+    assert shared[GPUS][1] == "cuda:0", out  # cuda:{local_rank % device_count}
 
 
 def test_two_ranks_with_gloo_on_cuda_tensors_share_the_gpus(run_script):
@@ -116,11 +121,9 @@ with nbdist.Session(nprocs=1, backend="nccl") as s:
     print("STATUS", s.status)
     # No device bound to the default group: a DeviceMesh's groups are then made by new_group, which a
     # heal replays (with a bound device torch makes them by split_group, which it can't).
-    # NCCL's errors raise in a session instead of ending the rank (its watchdog's cleanup-only mode).
-    print("UNBOUND", s.execute("(dist.distributed_c10d._get_default_group().bound_device_id is None, "
-                               "__import__('os').environ.get('TORCH_NCCL_ASYNC_ERROR_HANDLING'))"))
+    print("UNBOUND", s.execute("dist.distributed_c10d._get_default_group().bound_device_id is None"))
 """))
-    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out and "UNBOUND {0: (True, '2')}" in out, out
+    assert "BACKEND {0: ('nccl', 'ReformableGroup', 2.0)}" in out and "UNBOUND {0: True}" in out, out
     assert "STOPPED True" in out and "KEPT {0: True}" in out, out
     assert "REFORMED {0: (3.0, True)}" in out and "CUT {0: 5.0}" in out and "STATUS idle" in out, out
 
@@ -194,6 +197,25 @@ except nbdist.LaunchConfigError as e:
     refused = next(line for line in out.splitlines() if line.startswith("REFUSED"))
     assert "CUDA is already initialised in this kernel (first by" in refused, refused
     assert "model = torch.nn.Linear(4, 4).cuda()" in refused and "start_method='warm'" in refused, refused
+
+
+def test_fork_follows_the_cuda_driver_not_only_torchs_context(run_script):
+    """``torch.cuda.is_available()`` with the NVML-based check leaves the driver alone: fork works.
+    Without it, the check initialises the driver (cuInit) while ``torch.cuda.is_initialized()`` stays
+    False, and forked ranks could not use CUDA: refused, saying why."""
+    out = _result(_kernel(run_script, """
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+print("NVML", torch.cuda.is_available(), torch.cuda.is_initialized())
+print("FORKED", nbdist.launch(rankfns.takes_anything, nprocs=1, start_method="fork", init_process_group=False))
+del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+print("DRIVER", torch.cuda.is_available(), torch.cuda.is_initialized())
+try:
+    nbdist.launch(rankfns.takes_anything, nprocs=1, start_method="fork", init_process_group=False)
+except nbdist.LaunchConfigError as e:
+    print("REFUSED", e)
+"""))
+    assert "NVML True False" in out and "FORKED {0: " in out and "DRIVER True False" in out, out
+    assert "REFUSED CUDA is already initialised in this kernel (its driver initialised by" in out, out
 
 
 @pytest.mark.parametrize("how", ["kill", "session stop", "kernel SIGKILL"])
@@ -337,7 +359,8 @@ w = torch.arange(8., device="cuda")
     print("SUM", s.execute("t = w.clone()\\ndist.all_reduce(t)\\nt.sum().item()"))
 """), timeout=400)
     here = 1 % GPUS  # cuda:{local_rank % device_count}
-    assert f"1: ('cuda:{here}', 'cuda:{here}', 'cuda:{here}', [{here}], 'cuda:{here}')" in out, out
+    # DDP without device_ids keeps None there; its device (Join's flags) is the new rank's own
+    assert f"1: ('cuda:{here}', 'cuda:{here}', 'cuda:{here}', None, 'cuda:{here}')" in out, out
     steps = eval(out.split("STEPS ", 1)[1].splitlines()[0])
     assert len(set(map(tuple, steps.values()))) == 1 and len(steps) == 3, out
     assert "SUM {0: 84.0, 1: 84.0, 2: 84.0}" in out, out
@@ -355,7 +378,8 @@ with nbdist.Session(nprocs=2, backend="nccl") as s:
     s.execute('''
 import torch, torch.distributed as dist
 torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 1).cuda())
+here = torch.cuda.current_device()
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 1).cuda(), device_ids=[here])
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 model(torch.ones(4, 64, device="cuda")).sum().backward()
 opt.step()

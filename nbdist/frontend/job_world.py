@@ -133,7 +133,7 @@ def join_job(script: str, nprocs: int = 2, backend: str = "auto", env: dict | No
     nprocs : int
         Ranks to start under ``python job.py`` (the session's world size, or ``%dist_export --nprocs``).
     backend : str
-        As for :func:`nbdist.launch`: "auto" is nccl where each rank has a GPU of its own, gloo otherwise.
+        As for :func:`nbdist.launch`: "auto" is nccl with CUDA, gloo without.
     env : dict, optional
         The session's ``--env``: set in each rank before torch is imported there.
     timeout : float, optional

@@ -1,6 +1,6 @@
 """IPython front end: ``%%distributed`` and the session magics (``%dist_start``, ``%dist_stop``,
-``%dist_restart``, ``%dist_stacks``, ``%dist_sync``, ``%dist_heal``, ``%dist_export``: thin methods over
-:mod:`nbdist.frontend.session_magics`); the process magics (``%dist_ps``, ``%dist_kill``, ``%dist_logs``,
+``%dist_restart``, ``%dist_debug``, ``%dist_sync``, ``%dist_heal``, ``%dist_export``, ``%dist_stacks``,
+``%dist_autoreload``: thin methods over :mod:`nbdist.frontend.session_magics`); the process magics (``%dist_ps``, ``%dist_kill``, ``%dist_logs``,
 ``%dist_warm``) are :mod:`nbdist.frontend.process_magics`.
 
 Thin, like ipyparallel's magics: parse options with ``magic_arguments``, turn the cell into a

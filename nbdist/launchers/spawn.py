@@ -38,14 +38,14 @@ def check_start_method(start_method: str) -> None:
         import sys
 
         from nbdist.launchers.cuda_watch import who_initialised_cuda
-        from nbdist.worker.cuda_driver import cuda_driver_loaded
+        from nbdist.worker.cuda_driver import cuda_driver_initialised
 
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             who = who_initialised_cuda()
             by = f"first by {who}" if who else "before nbdist was loaded, so nbdist can't say where"
-        elif cuda_driver_loaded():
-            by = ("its driver loaded by torch.cuda.is_available() or another library; "
+        elif cuda_driver_initialised():
+            by = ("its driver initialised by torch.cuda.is_available() or another library; "
                   "PYTORCH_NVML_BASED_CUDA_CHECK=1 makes that check fork-safe")
         else:
             by = None

@@ -70,7 +70,7 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
     import nbdist.worker.display  # noqa: F401
     import nbdist.worker.stop_point  # noqa: F401
     import nbdist.worker.torch_modes  # noqa: F401
-    from nbdist.worker.cuda_driver import cuda_driver_loaded
+    from nbdist.worker.cuda_driver import cuda_driver_initialised
 
     failed, refusal = [], None
     for name in preload:
@@ -79,7 +79,7 @@ def _import_preloads(preload) -> tuple[list[str], str | None]:
         except Exception as exc:  # a broken preload must not cost the user the template
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
             _say(f"preload {name} failed:", "".join(traceback.format_exception_only(type(exc), exc)).strip())
-        if refusal is None and (torch.cuda.is_initialized() or cuda_driver_loaded()):
+        if refusal is None and (torch.cuda.is_initialized() or cuda_driver_initialised()):
             refusal = (f"preload module {name!r} initialised CUDA in the warm template, so ranks forked from it "
                        f"could not use CUDA; remove it from preload (import it in the cell instead)")
     return failed, refusal
@@ -141,10 +141,10 @@ def _module_files() -> dict[str, tuple[str, int]]:
 
 def find_refusal(files: dict[str, tuple[str, int]]) -> str | None:
     """Why the template must not fork now: CUDA initialised here, or a module changed on disk."""
-    from nbdist.worker.cuda_driver import cuda_driver_loaded  # imported with the preloads: no cost here
+    from nbdist.worker.cuda_driver import cuda_driver_initialised  # imported with the preloads: no cost here
 
     torch = sys.modules.get("torch")
-    if (torch is not None and torch.cuda.is_initialized()) or cuda_driver_loaded():
+    if (torch is not None and torch.cuda.is_initialized()) or cuda_driver_initialised():
         return "CUDA is initialised in the warm template; forked ranks could not use it"
     for path, (name, mtime) in files.items():
         try:

@@ -168,21 +168,20 @@ def export_rank_env(spec: RunSpec, identity: RankIdentity) -> None:
     os.environ.update({k: str(v) for k, v in env.items()})
 
 
-def resolve_backend(backend: str, local_world_size: int | None = None) -> str:
-    """``"auto"`` is nccl where each rank of this machine has a GPU of its own, and gloo otherwise.
+def resolve_backend(backend: str, ranks_sharing_gpus: int = 1) -> str:
+    """``"auto"`` is nccl where CUDA is, unless more ranks share this machine's GPUs than it has: gloo then.
 
-    Several ranks on one GPU (``--nprocs 4`` on a one-GPU workstation) can't use NCCL, which fails
-    at the first collective ("Duplicate GPU detected"); gloo takes their CUDA tensors.
-    ``local_world_size``: the ranks on this machine (default ``$LOCAL_WORLD_SIZE``, else 1).
+    ``ranks_sharing_gpus``: the ranks of this machine that see the same GPUs. Several ranks on one GPU
+    (``--nprocs 4`` on a one-GPU workstation) can't use NCCL, which fails at the first collective
+    ("Duplicate GPU detected"); gloo takes their CUDA tensors. 1 where that can't be known (an
+    engine may give each rank a GPU of its own through ``CUDA_VISIBLE_DEVICES``).
     """
     if backend != "auto":
         return backend
     import torch
     import torch.distributed as dist
 
-    if local_world_size is None:
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= local_world_size:
+    if torch.cuda.is_available() and dist.is_nccl_available() and torch.cuda.device_count() >= ranks_sharing_gpus:
         return "nccl"
     return "gloo"
 
@@ -206,7 +205,11 @@ def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
         return False
     import torch.distributed as dist
 
-    backend = resolve_backend(spec.backend)
+    # Ranks nbdist started on one machine all see the kernel's GPUs. Across machines, every node
+    # must choose alike (a gloo node and an NCCL node would never meet), so none falls back.
+    sharing = identity.local_world_size if (spec.start_method in ("spawn", "warm", "fork")
+                                            and identity.world_size == identity.local_world_size) else 1
+    backend = resolve_backend(spec.backend, sharing)
     bind_device(identity.local_rank, backend)
     if dist.is_initialized():
         return False

@@ -400,13 +400,17 @@ def import_names(exported: dict) -> dict:
 
 
 def _own_device_ids(model) -> None:
-    """A DDP model copied from a donor on a GPU names the donor's device: this rank's instead."""
+    """A DDP model copied from a donor on a GPU names the donor's device: this rank's instead (its
+    parameters arrived there already). ``device`` is where Join makes its flags; ``device_ids`` and
+    ``output_device`` are set only where the user gave them (DDP leaves them None otherwise)."""
     import torch
 
-    if getattr(model, "device_ids", None) and torch.cuda.is_available():
-        here = torch.cuda.current_device()
+    if getattr(model, "device", None) is None or model.device.type != "cuda" or not torch.cuda.is_available():
+        return
+    here = torch.cuda.current_device()
+    model.device = torch.device("cuda", here)
+    if model.device_ids:
         model.device_ids, model.output_device = [here], here
-        model.device = torch.device("cuda", here)  # Join's flag tensors are made there
 
 
 def rebuild_ddp_reducers() -> int:

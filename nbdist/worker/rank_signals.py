@@ -66,9 +66,10 @@ def answer_signals(running: RunningCell, rank: int) -> None:
 
     if CUT_SIGNAL is None:
         return
+    on_device = False
     while True:
         sig = signal.sigwait(RANK_THREAD_SIGNALS)
-        _use_rank_device()
+        on_device = on_device or _use_rank_device()
         with running.lock:
             if running.cell_dir is None:
                 continue
@@ -91,13 +92,18 @@ def answer_signals(running: RunningCell, rank: int) -> None:
               f"the cell was stopped; the session re-forms them", file=sys.stderr, flush=True)
 
 
-def _use_rank_device() -> None:
+def _use_rank_device() -> bool:
     """This thread on the rank's own GPU, as its main thread is (``bind_device``): a CUDA device is
     per thread, and an NCCL abort or a flight-recorder read here would otherwise make a context on
-    GPU 0, another rank's GPU (hundreds of MiB each)."""
+    GPU 0, another rank's GPU (hundreds of MiB each). True once done (a device stays set for the
+    thread); never raises: a CUDA error left by the stuck cell must not end the thread that frees it."""
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    with contextlib.suppress(Exception):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK") or 0) % torch.cuda.device_count())
+        return True
+    return False
 
 
 def _answer_stop_point(cell_dir: str, rank: int) -> None:

@@ -265,11 +265,6 @@ def register(backend: str) -> str:
     collectives and checkpoints of CPU state keep working. With gloo, CUDA tensors go through
     gloo too, as they do in torch's own gloo group: several ranks sharing one GPU can't use NCCL.
     """
-    if backend == "nccl":
-        # A session keeps its ranks through errors: NCCL's watchdog, on a timeout or a peer's aborted
-        # communicator, cleans up and lets the collective raise (2), instead of taking the whole
-        # process down (torch's default, 3), which would lose a rank's state, or a node's.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     _DEVICES.clear()
     # As torch's own "gloo" does, gloo also takes CUDA tensors (a one-GPU box's ranks share it).
     _DEVICES.update({"cpu": "gloo", "cuda": backend})

@@ -165,7 +165,8 @@ def serve_session(session_dir: str, address) -> None:
     """The session loop of one rank: connect, say hello, run cells until "close" or end-of-file."""
     global _IN_USER_CODE, _KERNEL_HERE
     rank = int(os.environ.get("RANK", "0"))
-    _KERNEL_HERE = rundir.read_spec(session_dir).kernel_host == socket.gethostname()
+    spec = rundir.read_spec(session_dir)
+    _KERNEL_HERE = spec.kernel_host == socket.gethostname()
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
     address = _join_healed_session(address)
     # Within a deadline, hello included: a kernel that can't be reached ends this rank, saying why.
@@ -190,7 +191,8 @@ def serve_session(session_dir: str, address) -> None:
     from nbdist.worker.namespace_copy import note_entry_names
     from nbdist.worker.torch_modes import note_modes, restore_modes
 
-    note_entry_names()  # what the heal copies and lists: the user's names only
+    if spec.start_method != "fork":  # a forked rank's __main__ is the kernel's: every name is the user's
+        note_entry_names()  # what the heal copies and lists: the user's names only, not the entry's
     display.install(send_display)  # display() and plt.show() reach the notebook
     track()  # the user's modules the rank has now, and their files' mtimes: what %autoreload compares with
     threading.Thread(target=answer_signals, args=(running, rank), name="nbdist-signals", daemon=True).start()
