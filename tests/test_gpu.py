@@ -55,6 +55,15 @@ def _kernel(run_script, body: str):
                       env={"OMP_NUM_THREADS": "1"})
 
 
+# A kernel script's lines, in a session ``s``'s ``with`` block: rank 1 SIGKILLed, seen gone, healed.
+_KILL_RANK_1_AND_HEAL = """    os.kill(s.pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while s.status != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("HEALED", s.heal())
+"""
+
+
 def _result(proc, timeout=180) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out
@@ -347,12 +356,7 @@ def step():
 step()
 w = torch.arange(8., device="cuda")
 ''')
-    os.kill(s.pids[1], signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while s.status != "degraded" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    print("HEALED", s.heal())
-    print("DEVICES", s.execute("p = next(model.parameters())\\n"
+""" + _KILL_RANK_1_AND_HEAL + """    print("DEVICES", s.execute("p = next(model.parameters())\\n"
                                "(str(w.device), str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids, "
                                "str(model.device))"))
     print("STEPS", s.execute("[step() for _ in range(3)]"))
@@ -384,12 +388,7 @@ opt = torch.optim.Adam(model.parameters(), lr=0.01)
 model(torch.ones(4, 64, device="cuda")).sum().backward()
 opt.step()
 ''')
-    os.kill(s.pids[1], signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while s.status != "degraded" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    print("HEALED", s.heal())
-    print("DEVICES", s.execute("p = next(model.parameters())\\n"
+""" + _KILL_RANK_1_AND_HEAL + """    print("DEVICES", s.execute("p = next(model.parameters())\\n"
                                "(str(p.device), str(opt.state[p]['exp_avg'].device), model.device_ids, str(model.device))"))
     print("SUM", s.execute("t = torch.ones(8, device='cuda')\\ndist.all_reduce(t)\\n"
                            "model(torch.ones(4, 64, device='cuda')).sum().backward()\\nt.sum().item()"))

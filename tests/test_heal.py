@@ -179,6 +179,37 @@ def test_the_last_survivor_killed_mid_heal_loses_the_session_at_once(kernel):
     kernel.run("%dist_stop")
 
 
+@pytest.mark.parametrize("whom", ["the replacement", "a survivor"])
+def test_a_death_while_the_heal_re_forms_calls_it_off_at_once(kernel, whom):
+    # Soak seed 751679988: a survivor killed mid-heal left rank 0 in gloo's connect, waiting for a
+    # peer that would never come, past the kernel's 90 s: the session was lost. Now the kernel calls
+    # the re-forming off, and the members waiting for their peers there stop (worker/member_arrival).
+    assert kernel.run("%dist_start -n 4").status == "ok"  # two survivors at least: w is compared, and copied
+    assert kernel.run("%%distributed --view text\nimport torch, torch.distributed as dist\n"
+                      "pair = dist.new_group([0, 1])\nw = torch.ones(8)").status == "ok"
+    sid = _s(kernel, "_s.session_id").strip("'")
+    os.kill(int(_s(kernel, "_s.pids[2]")), signal.SIGKILL)
+    _wait_status(kernel, "degraded")
+    known, survivor = marked_pids(sid), int(_s(kernel, "_s.pids[1]"))
+    msg = kernel.send("%dist_heal")
+    new = wait_for(lambda: marked_pids(sid) - known, 30, interval=0.005, what="the replacement to start")
+    os.kill(next(iter(new)) if whom == "the replacement" else survivor, signal.SIGKILL)
+    t0 = time.monotonic()
+    res = kernel.collect(msg, 150)
+    took = time.monotonic() - t0
+    print(f"{whom} killed as the replacement started: the heal answered in {took:.1f} s ({res.status})")
+    assert took < 20, took
+    _wait_status(kernel, "degraded")  # the heal failed; or it won the race, and the death came after
+    healed = kernel.run("%dist_heal")
+    assert healed.status == "ok", healed.error_text + healed.stdout
+    assert _s(kernel, "_s.status") == "'idle'"
+    sums = "t = torch.ones(1)\ndist.all_reduce(t)\nu = torch.ones(1)\nif dist.get_rank() < 2:\n" \
+           "    dist.all_reduce(u, group=pair)\n(t.item(), u.item(), w.sum().item())"
+    assert eval(_s(kernel, f"_s.execute({sums!r})")) == {0: (4.0, 2.0, 8.0), 1: (4.0, 2.0, 8.0), 2: (4.0, 1.0, 8.0),
+                                                         3: (4.0, 1.0, 8.0)}
+    kernel.run("%dist_stop")
+
+
 def test_with_one_survivor_what_every_rank_defined_comes_back(kernel):
     # Soak seed 135951848: two ranks, one killed; the heal left out the training step a cell run on
     # both had defined (nothing to compare with), and the next cell raised NameError on the new rank.

@@ -20,7 +20,7 @@ import pickle
 from dataclasses import dataclass
 
 __all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "STOP_COUNTS_FILE",
-           "STOP_POINT_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay", "shut_down", "read_session_key",
+           "STOP_POINT_FILE", "REFORM_CALLED_OFF_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay", "shut_down", "read_session_key",
            "load_value", "Autoreload"]
 
 
@@ -68,6 +68,9 @@ COLLECTIVES_FILE = "collectives.{rank}.json"
 # A stop at the same collective on every rank: each busy rank's counts per group, then the kernel's point.
 STOP_COUNTS_FILE = "stop-counts.{rank}.json"
 STOP_POINT_FILE = "stop-point.json"
+# In the session's dir: the kernel calls off the re-forming of the groups under one generation (a
+# member died), and the ranks waiting for their peers there stop waiting (nbdist.worker.member_arrival).
+REFORM_CALLED_OFF_FILE = "reform-{generation}.called-off"
 
 
 def load_value(body):

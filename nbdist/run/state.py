@@ -174,6 +174,22 @@ class Run(EventSource):
         self.pace.wake()  # the monitor waits on the new rank's sentinel from now on
         return pid
 
+    def await_rank_end(self, grank: int, deadline: float) -> bool:
+        """Whether rank ``grank`` is seen ended (its process reaped by the monitor, which checks on
+        every tick) by ``deadline`` (``time.monotonic()``): a heal undone kills its replacements, and
+        the next heal may start them again only once they are."""
+        while not self.rank_ended(grank):
+            if time.monotonic() > deadline:
+                return False
+            self.pace.wake()
+            time.sleep(0.01)
+        return True
+
+    def rank_ended(self, grank: int) -> bool:
+        """Whether the monitor saw rank ``grank``'s process end (a heal's replacement, say)."""
+        local = next(r for r in self.ranks if self.global_rank(r) == grank)
+        return self.ranks[local].status in TERMINAL
+
     def __repr__(self) -> str:
         return f"<nbdist.Run {self.run_id} {self.status} nprocs={self.nprocs} dir={self.run_dir}>"
 

@@ -11,7 +11,8 @@ the ranks (:mod:`nbdist.worker.stop_point` has the rank's half and the why):
    raises as it is about to issue a collective beyond it. Ranks behind the point catch up first.
 3. Ranks that reach no collective within the window (a loop without collectives, a long compute)
    get the SIGINT where they are, as before, and the cell says which replicas may differ. A rank
-   behind the point gets a longer window: its peers already issued what it computes towards.
+   behind the point gets a longer window: its peers already issued what it computes towards; so
+   does one inside an optimizer's step (stopped there, its update would be half applied).
 
 The window follows the cell's own pace (a few of its longest gaps between collectives), within
 :data:`WINDOW_MIN_S` and :data:`WINDOW_MAX_S`, so that a stop still reaches idle within 2 s. Only
@@ -129,15 +130,25 @@ def _window(reports: dict, point: dict) -> float:
     two collectives (its own pace), bounded both ways; none when every rank has waited a while in
     an op that has not completed (each in a recv, or left by a peer that raised): no rank can move;
     :data:`IMPORT_WINDOW_S` when a rank's cell is inside an import; at least :data:`BEHIND_WINDOW_S`
-    when a rank is behind the point."""
+    when a rank is behind the point, or inside (or a step short in) an optimizer's step."""
     if all(r.get("waiting_s") is not None and r["waiting_s"] >= STUCK_WAIT_S for r in reports.values()):
         return 0.0
     if any(r.get("importing") for r in reports.values()):
         return IMPORT_WINDOW_S
     behind = any(any(r["counts"].get(g, 0) < p for g, p in point.items()) for r in reports.values())
-    least = BEHIND_WINDOW_S if behind else WINDOW_MIN_S
+    least = BEHIND_WINDOW_S if behind or _stepping_apart(reports) else WINDOW_MIN_S
     if not any(r.get("collectives") for r in reports.values()):
         return least
     gaps = [r["gap"] for r in reports.values() if r.get("gap") is not None]
     pace = max(gaps, default=WINDOW_MIN_S)
     return min(WINDOW_MAX_S, max(least, _GAPS * pace))
+
+
+def _stepping_apart(reports: dict) -> bool:
+    """Whether a rank is inside an optimizer's step, or has taken fewer steps in the cell than a peer:
+    it computes towards the point without a collective to show for it (FSDP2's step is local; soak
+    seed 559694983: ranks in their first Adam step got :data:`WINDOW_MIN_S`, and stopped inside it)."""
+    steps = [r.get("optimizer_steps") or {} for r in reports.values()]
+    if any(inside for s in steps for _, inside in s.values()):
+        return True
+    return len({tuple(sorted((n, taken) for n, (taken, _) in s.items())) for s in steps}) > 1

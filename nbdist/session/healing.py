@@ -35,11 +35,12 @@ from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared, reshare
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.cell_history import CellRecord
-from nbdist.session.rank_deaths import degrade_survivors, describe_gone, tell_untold_deaths
+from nbdist.session.rank_deaths import begin_reform, degrade_survivors, describe_gone, tell_untold_deaths
 from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["heal", "HealReport", "HEAL_CONNECT_S"]
 
+REAP_WAIT_S = 10.0  # a SIGKILLed replacement is reaped by the run's monitor within a tick
 HEAL_CONNECT_S = 90.0  # a spawned replacement imports torch before it joins; the survivors wait that long
 
 
@@ -119,7 +120,7 @@ def heal(inc, donor: int | None = None) -> HealReport:
         if bad:
             raise RuntimeError(f"{'; '.join(bad)} can't be re-formed with a new member (only groups made "
                                f"without backend= are); {inc.restart_hint}")
-        generation = inc.life.next_generation()
+        generation = begin_reform(inc, survivors)
         hellos = _start_replacements(inc, dead, calls, generation, started)
         report.seconds["start"] = time.monotonic() - t0
         t1 = time.monotonic()
@@ -132,6 +133,10 @@ def heal(inc, donor: int | None = None) -> HealReport:
         _undo(inc, dead, started, exc)
         if inc.lost_reason is not None and not isinstance(exc, SessionLostError):
             raise SessionLostError(inc.lost_reason) from exc  # what every later cell says too
+        if isinstance(exc, Exception) and inc.life.state == "degraded":  # the root cause, then what now
+            raise RuntimeError(f"the heal of {format_rank_set(dead)} failed and was undone: {exc}\n"
+                               f"the session is degraded ({describe_gone(inc.gone)}); {inc.heal_hint} "
+                               f"(again); {inc.restart_hint}") from exc
         raise
     with inc.lock:
         for rank in dead:
@@ -156,15 +161,23 @@ def _start_replacements(inc, dead: list[int], calls: list, generation: int, star
 
     def accept() -> None:
         deadline = time.monotonic() + HEAL_CONNECT_S + 30
+        # Until a replacement dies: its hello never comes (its death may land between the groups'
+        # re-forming and the hello, where no call of the kernel's waits on it to fail).
         listener.accept_all(len(dead), deadline, lambda h: hellos.__setitem__(h.rank, h),
-                            lambda: inc.life.state == "healing")
+                            lambda: inc.life.state == "healing" and not any(map(inc.rank_run.rank_ended, dead)))
         listener.close()
 
+    env = {"NBDIST_HEAL_GENERATION": str(generation), "NBDIST_HEAL_FILE": heal_file}
+    try:
+        for rank in dead:
+            started[rank] = inc.rank_run.replace_rank(rank, env)
+    except BaseException:
+        listener.close()
+        raise
+    # Accepting once they run (their hellos wait in the listener's backlog till then): a dead
+    # rank's replacement that ended is one whose hello will never come.
     hellos["_thread"] = threading.Thread(target=accept, name="nbdist-heal-accept", daemon=True)
     hellos["_thread"].start()
-    env = {"NBDIST_HEAL_GENERATION": str(generation), "NBDIST_HEAL_FILE": heal_file}
-    for rank in dead:
-        started[rank] = inc.rank_run.replace_rank(rank, env)
     return hellos
 
 
@@ -178,6 +191,9 @@ def _reform_with_replacements(inc, generation: int, hellos: dict, dead: list[int
     thread = hellos.pop("_thread")
     thread.join(30)
     missing = [r for r in dead if r not in hellos]
+    ended = [r for r in missing if inc.rank_run.rank_ended(r)]
+    if ended:
+        raise RuntimeError(f"{format_rank_set(ended)}'s replacement died after it joined the groups")
     if missing:
         raise RuntimeError(f"{format_rank_set(missing)} joined the groups but never said hello to the kernel")
     for rank in dead:
@@ -273,6 +289,13 @@ def _undo(inc, dead: list[int], started: dict[int, int], exc: BaseException) -> 
         inc.remove_rank(rank)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # its own group (setsid) is all it is
+    reaped = time.monotonic() + REAP_WAIT_S
+    slow = [r for r in started if not inc.rank_run.await_rank_end(r, reaped)]
+    if slow:  # a SIGKILLed process not reaped in seconds: the kernel can't account for its ranks
+        inc.lose(f"the session was stopped: the heal failed ({type(exc).__name__}: {exc}), and "
+                 f"{format_rank_set(slow)}'s replacement did not end within {REAP_WAIT_S:g} s of a SIGKILL; "
+                 f"{inc.restart_hint}")
+        return
     if inc.ended:
         return
     if not inc.pids:  # the last survivor died under the heal: no state is left to keep

@@ -97,6 +97,7 @@ class Incarnation:
         self.in_step.set()
         self.world = None  # a session across kernels: its link to the others (nbdist.session.peers)
         self.last_reform: dict | None = None  # each rank's timings of the last re-forming
+        self.reforming: tuple | None = None  # (generation, the ranks it needs): a death among them calls it off
         self.history = CellHistory()  # the user's cells, for the export
         self.defined_names: set[str] = set()  # names earlier cells defined on the ranks (the magic's rule)
         self.sources_held: set[str] = set()  # notebook cell sources every rank got with an earlier cell

@@ -20,16 +20,20 @@ the run ends, and :meth:`Incarnation.on_run_event` says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
 
 from nbdist.errors import RankFailure, RankGoneError, format_rank_set
+from nbdist.protocol import rundir
+from nbdist.protocol.session_channel import REFORM_CALLED_OFF_FILE
 from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["RankGone", "note_rank_death", "degrade_survivors", "refuse_for_gone", "describe_gone",
-           "heal_at_once", "tell_untold_deaths", "LAST_LINES", "MAX_DEATHS_WHILE_RECOVERING"]
+           "heal_at_once", "tell_untold_deaths", "begin_reform", "LAST_LINES", "MAX_DEATHS_WHILE_RECOVERING"]
 
 log = logging.getLogger(__name__)
 MAX_DEATHS_WHILE_RECOVERING = 4  # each one starts the recovery over on the survivors; then it gives up
@@ -87,12 +91,15 @@ def note_rank_death(inc, rank: int, status) -> None:
         if inc.ended:
             return
         if rank in inc.gone and inc.life.state == "healing":  # its replacement died: the heal fails, now
+            _call_off_reform(inc, inc.life.generation, f"rank {rank}'s replacement died (pid {status.pid})")
             _fail_heal_call(inc, rank, status)
             return
         if rank in inc.gone or rank not in inc.pids:
             return
         gone = RankGone(rank, status.pid or inc.pids.get(rank), status.exitcode, status.signal_name, time.time(),
                         _last_lines(inc.rank_run, rank))
+        if inc.reforming is not None and rank in inc.reforming[1]:  # its peers may wait for it there
+            _call_off_reform(inc, inc.reforming[0], f"rank {rank} {gone.how()}")
         inc.gone[rank] = gone
         inc.pids.pop(rank)  # never signalled again: its pid may be another process's soon
         inc.conns.pop(rank, None)  # never written to again
@@ -123,6 +130,27 @@ def _fail_heal_call(inc, rank: int, status) -> None:
                           message="its replacement died during the heal", time=time.time())
     if cell.record_death(failure):
         threading.Thread(target=inc.settle, args=(cell,), daemon=True).start()
+
+
+def begin_reform(inc, needed) -> int:
+    """The generation the ranks re-form their groups to, the ranks ``needed`` there remembered: the
+    death of one calls the re-forming off at once, so that its peers stop waiting for it
+    (:mod:`nbdist.worker.member_arrival`) instead of waiting out gloo's connect; one dead already
+    (between the caller's look and now) calls it off before it begins."""
+    with inc.lock:
+        generation = inc.life.next_generation()
+        inc.reforming = (generation, frozenset(needed))
+        dead = sorted(set(needed) - set(inc.pids))
+    if dead:
+        _call_off_reform(inc, generation, f"{format_rank_set(dead)} died before it began")
+    return generation
+
+
+def _call_off_reform(inc, generation: int, why: str) -> None:
+    """Tell the ranks waiting for their peers under ``generation`` to stop: ``why``, in a file they poll."""
+    path = os.path.join(inc.run_dir, REFORM_CALLED_OFF_FILE.format(generation=generation))
+    with contextlib.suppress(OSError):  # the run dir is gone: so are the ranks
+        rundir.write_private(path, why.encode())
 
 
 def tell_untold_deaths(inc) -> None:
@@ -177,7 +205,7 @@ def degrade_survivors(inc) -> str:
 
     gone = dict(inc.gone)
     told = {r: g.how() for r, g in gone.items()}
-    answers = call_on_ranks(inc, degrade_groups, told, inc.life.next_generation(), DEGRADE_CONNECT_S)
+    answers = call_on_ranks(inc, degrade_groups, told, begin_reform(inc, inc.pids), DEGRADE_CONNECT_S)
     inc.gone_told = set(gone)
     survivors = format_rank_set(sorted(inc.pids))
     lacking = any(a and a["lacking"] for a in answers.values())

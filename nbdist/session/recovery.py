@@ -24,7 +24,7 @@ from nbdist.session.agreed_stop import agree_stop_point
 from nbdist.session.internal_calls import CHECK_TIMEOUT_S, call_on_ranks
 from nbdist.session.collectives import ask_open_collectives, describe_open_collectives
 from nbdist.session.peers import announce_stop
-from nbdist.session.rank_deaths import MAX_DEATHS_WHILE_RECOVERING, degrade_survivors, heal_at_once
+from nbdist.session.rank_deaths import MAX_DEATHS_WHILE_RECOVERING, begin_reform, degrade_survivors, heal_at_once
 from nbdist.session.replica_check import describe_drift
 from nbdist.worker.session_loop import count_collectives, reform_groups, reset_models
 
@@ -207,7 +207,7 @@ def bring_in_step(inc, cell) -> str | None:
                  f"(backend {inc.options.backend!r}) can't be re-formed in place, so the next collective "
                  f"could hang or give wrong results; the state is lost; {inc.restart_hint}")
         raise SessionLostError(inc.lost_reason)
-    done = call_on_ranks(inc, reform_groups, inc.life.next_generation())
+    done = call_on_ranks(inc, reform_groups, begin_reform(inc, inc.pids))
     cell.models_reset = True  # the re-forming resets every model
     ms = max(d["seconds"] for d in done.values()) * 1000
     inc.last_reform = done  # the parts' timings, for benchmarks and tests
@@ -224,7 +224,7 @@ def catch_up(inc) -> None:
             return
         inc.in_step.clear()  # a cell sent now waits for the re-forming
     try:
-        inc.last_reform = call_on_ranks(inc, reform_groups, inc.life.next_generation(), timeout=CHECK_TIMEOUT_S)
+        inc.last_reform = call_on_ranks(inc, reform_groups, begin_reform(inc, inc.pids), timeout=CHECK_TIMEOUT_S)
     except SessionLostError:
         pass  # call_on_ranks stopped the session and said why
     except Exception as exc:

@@ -19,9 +19,7 @@ with an explicit ``backend="gloo"`` is not. One-shot runs don't use it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import time
 import weakref
 from datetime import timedelta
@@ -32,6 +30,8 @@ from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
 from nbdist.worker import flight_recorder, stop_point
 from nbdist.worker.group_replay import record_group_calls
+from nbdist.worker.member_arrival import Reforming
+from nbdist.worker.socket_cut import shut_down_sockets, socket_inodes
 from nbdist.worker.model_reset import reset_models, track_ddp_models
 from nbdist.worker.optimizer_steps import track_optimizer_steps
 
@@ -82,37 +82,51 @@ class ReformableGroup(dist.ProcessGroup):
         self._inner = self._connect()
         _GROUPS.append(weakref.ref(self))
 
-    def _connect(self, connect_timeout: float | None = None):
+    def _connect(self, deadline: float | None = None):
         """A new inner torch group under this generation's store prefix (blocks until every member
-        joins, within ``connect_timeout`` seconds where given: a heal's peer may die meanwhile)."""
+        joins). Re-forming (a healed rank's joins too), the members first wait for each other, and
+        gloo then connects them, where a member's death calls either off at once on every member
+        (:mod:`nbdist.worker.member_arrival`); every member there by ``deadline`` where given."""
         store = dist.PrefixStore(f"nbdist-gen{self.generation}/", self._store)
-        before = set(_socket_inodes().values())
+        if not self.generation:  # made by its members at once, as torch makes groups
+            return self._make_inner(store, store, None)
+        reforming = Reforming(store, self.rank(), self.members, self.generation, self.label)
+        with reforming.watched(self._store) as own:
+            own = dist.PrefixStore(f"nbdist-gen{self.generation}/", own)
+            connect_s = reforming.await_members(own, time.monotonic() + self._timeout.total_seconds()
+                                                if deadline is None else deadline)
+            return self._make_inner(store, own, connect_s)
+
+    def _make_inner(self, store, gloo_store, connect_s: float | None):
+        """The inner group: gloo's backend connects through ``gloo_store``, within ``connect_s``."""
+        before = set(socket_inodes().values())
         inner = _CProcessGroup(store, self.rank(), self.size())
         default, made_by = None, {}
         for device, backend in self._devices.items():
             if backend not in made_by:  # gloo serves CPU and CUDA tensors over one set of connections
-                made_by[backend] = self._make_backend(backend, dist.PrefixStore(f"{device}/", store), connect_timeout)
+                base = gloo_store if backend == "gloo" else store  # NCCL uses its store later, lazily
+                made_by[backend] = self._make_backend(backend, dist.PrefixStore(f"{device}/", base), connect_s)
             made, kind = made_by[backend]
             inner._register_backend(torch.device(device), kind, made)
             default = kind if default is None or device != "cpu" else default
         inner._set_default_backend(default)
         # gloo connects its full mesh now: the sockets that appeared are this group's, to cut if
         # the rank gets stuck in one of its collectives with no peer free to release it.
-        self._sockets = {fd: inode for fd, inode in _socket_inodes().items() if inode not in before}
+        self._sockets = {fd: inode for fd, inode in socket_inodes().items() if inode not in before}
         return inner
 
-    def _make_backend(self, backend: str, store, connect_timeout: float | None):
-        """One torch backend of the inner group, and its kind: gloo's connects its full mesh now."""
+    def _make_backend(self, backend: str, store, connect_s: float | None):
+        """One torch backend of the inner group, and its kind: gloo's connects its full mesh now
+        (within ``connect_s`` seconds where given, then the collectives' own timeout again)."""
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         if backend == "gloo":
             opts = ProcessGroupGloo._Options()
-            opts._timeout = (min(self._timeout, timedelta(seconds=connect_timeout)) if connect_timeout
-                             else self._timeout)
+            opts._timeout = min(self._timeout, timedelta(seconds=connect_s)) if connect_s else self._timeout
             opts._devices = [ProcessGroupGloo.create_default_device()]
             made = ProcessGroupGloo(store, self.rank(), self.size(), opts)
-            if connect_timeout:
-                made.set_timeout(self._timeout)  # connected: the collectives' own timeout again
+            if opts._timeout != self._timeout:
+                made.set_timeout(self._timeout)
             return made, _CProcessGroup.BackendType.GLOO
         from torch._C._distributed_c10d import ProcessGroupNCCL  # only where CUDA is (the worker asks for it then)
 
@@ -143,27 +157,15 @@ class ReformableGroup(dist.ProcessGroup):
         sockets, self._sockets = self._sockets, {}
         if inner is not None and "nccl" in self._devices.values():
             inner.abort()
-        cut = 0
-        for fd, inode in sockets.items():
-            if _socket_inodes([fd]).get(fd) != inode:
-                continue  # closed since (and the number perhaps reused): not ours any more
-            with contextlib.suppress(OSError):
-                sock = socket.socket(fileno=os.dup(fd))
-                try:
-                    # gloo's listener aborts the process if its socket fails: only the pairs' go.
-                    if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                        sock.shutdown(socket.SHUT_RDWR)  # acts on the socket itself, not this duplicate
-                        cut += 1
-                finally:
-                    sock.close()
-        return cut
+        return shut_down_sockets(sockets)
 
-    def reform(self, generation: int, connect_timeout: float | None = None) -> None:
-        """Connect again under ``generation`` (every member must call this with the same number)."""
+    def reform(self, generation: int, deadline: float | None = None) -> None:
+        """Connect again under ``generation`` (every member must call this with the same number),
+        every member there by ``deadline`` (``time.monotonic()``) where given."""
         self.release()
         self.generation, self.issued, self.group_wide = generation, 0, 0
         self.missing = {}
-        self._inner = self._connect(connect_timeout)
+        self._inner = self._connect(deadline)
 
     def lack(self, gone: dict[int, str]) -> None:
         """Members of ``gone`` died: drop the connections, and fail every collective at once, naming
@@ -317,17 +319,6 @@ def cut_groups() -> int:
     return sum(group.cut() for group in live_groups())
 
 
-def _socket_inodes(fds=None) -> dict[int, str]:
-    """``{fd: "socket:[inode]"}`` of this process's sockets (of ``fds`` only, if given)."""
-    out = {}
-    for fd in fds if fds is not None else os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{fd}")
-            if target.startswith("socket:"):
-                out[int(fd)] = target
-    return out
-
-
 def reform_groups(generation: int, connect_timeout: float | None = None) -> dict:
     """Connect every group again under ``generation``; the objects (and what holds them) stay.
 
@@ -335,12 +326,13 @@ def reform_groups(generation: int, connect_timeout: float | None = None) -> dict
     how many DDP models and FSDP2 roots were reset.
     """
     start = time.monotonic()
+    deadline = start + connect_timeout if connect_timeout else None  # one for every group
     groups = live_groups()
     for group in groups:
         group.release()
     released = time.monotonic()
     for group in groups:
-        group.reform(generation, connect_timeout)
+        group.reform(generation, deadline)
     connected = time.monotonic()
     models = reset_models()
     return {"groups": len(groups), "seconds": time.monotonic() - start, **models,
@@ -355,13 +347,14 @@ def degrade_groups(gone: dict[int, str], generation: int, connect_timeout: float
     may die meanwhile (the session then degrades again, without it). Returns ``{"lacking": n,
     "reformed": n}``."""
     lacking = reformed = 0
+    deadline = time.monotonic() + connect_timeout if connect_timeout else None
     for group in live_groups():
         dead = {r: why for r, why in gone.items() if r in group.members}
         if dead:
             group.lack(dead)
             lacking += 1
         else:
-            group.reform(generation, connect_timeout)
+            group.reform(generation, deadline)
             reformed += 1
     return {"lacking": lacking, "reformed": reformed}
 

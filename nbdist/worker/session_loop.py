@@ -27,6 +27,7 @@ from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared, load_shared
 from nbdist.worker import import_guard
 from nbdist.worker.kernel_connect import connect_to_kernel
+from nbdist.worker.member_arrival import watch_calls_off
 from nbdist.worker.rank_signals import RunningCell, answer_signals, stop_asked as _stop_asked
 from nbdist.worker.rank_signals import torch_groups_in_use as _torch_groups_in_use
 
@@ -168,6 +169,7 @@ def serve_session(session_dir: str, address) -> None:
     spec = rundir.read_spec(session_dir)
     _KERNEL_HERE = spec.kernel_host == socket.gethostname()
     signal.signal(signal.SIGINT, _on_sigint)  # only user code may be interrupted
+    watch_calls_off(session_dir)  # a re-forming a member's death called off: stop waiting for it
     address = _join_healed_session(address)
     # Within a deadline, hello included: a kernel that can't be reached ends this rank, saying why.
     conn = connect_to_kernel(address, read_session_key(session_dir), rank)

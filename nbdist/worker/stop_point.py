@@ -129,11 +129,24 @@ def report_counts(cell_dir: str, path: str, rank: int, groups, recent) -> bool:
               "since_last": now - starts[-1] if starts else now - _CELL_STARTED,
               "waiting_s": now - min(waiting) if waiting else None,
               # A cell's import can't be stopped inside (nbdist.worker.import_guard): the kernel waits longer.
-              "importing": importing_in_cell(sys._current_frames().get(threading.main_thread().ident))}
+              "importing": importing_in_cell(sys._current_frames().get(threading.main_thread().ident)),
+              # A rank inside an optimizer's step, or a step short of a peer's, computes towards the
+              # point (a first Adam step, slow): the kernel waits as for a rank behind it.
+              "optimizer_steps": _optimizer_steps()}
     from nbdist.protocol.rundir import write_private
 
     write_private(path, json.dumps(report).encode())
     return True
+
+
+def _optimizer_steps() -> dict:
+    """``{optimizer number: [steps in this cell, inside one now]}``, read from the signal thread."""
+    from nbdist.worker.optimizer_steps import steps_this_cell
+
+    try:
+        return {str(n): [steps, inside] for n, (steps, inside) in steps_this_cell().items()}
+    except RuntimeError:  # the main thread made an optimizer as this read them: none to go by
+        return {}
 
 
 def load_point(cell_dir: str, path: str) -> bool:
