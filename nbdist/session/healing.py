@@ -133,7 +133,7 @@ def heal(inc, donor: int | None = None) -> HealReport:
         _undo(inc, dead, started, exc)
         if inc.lost_reason is not None and not isinstance(exc, SessionLostError):
             raise SessionLostError(inc.lost_reason) from exc  # what every later cell says too
-        if isinstance(exc, Exception) and inc.life.state == "degraded":  # the root cause, then what now
+        if started and isinstance(exc, Exception) and inc.life.state == "degraded":  # the cause, then what now
             raise RuntimeError(f"the heal of {format_rank_set(dead)} failed and was undone: {exc}\n"
                                f"the session is degraded ({describe_gone(inc.gone)}); {inc.heal_hint} "
                                f"(again); {inc.restart_hint}") from exc

@@ -23,7 +23,7 @@ PEER_LOSS_MARKERS = (
     "ProcessGroupNCCL is aborted",
     "Socket Timeout",
     "Connection refused",
-    "was called off: ",  # a re-forming a member's death ended (nbdist.worker.member_arrival)
+    "ReformCalledOff: ",  # a re-forming a member's death ended (nbdist.worker.member_arrival)
 )
 
 

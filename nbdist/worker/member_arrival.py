@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import threading
 import time
@@ -42,6 +43,7 @@ MIN_CONNECT_S = 5.0
 _WATCH_POLL_S = 0.025
 _GAVE_UP = "gave-up"  # the store key by which a member that gave up tells the others
 _SESSION_DIR: list[str] = []
+_WHERE: list[str] = []
 
 
 class ReformCalledOff(RuntimeError):
@@ -75,6 +77,7 @@ class Reforming:
         self._keys = [f"arrived/{i}" for i in range(len(members))]
         self._arrivals: list = []
         self._said: list[str] = []  # the watcher's reason, once it cut this rank's own connection
+        self._cutting = threading.Lock()  # the watcher's cut against the main thread's end of watching
 
     @contextlib.contextmanager
     def watched(self, group_store):
@@ -86,6 +89,8 @@ class Reforming:
         try:
             own = group_store.clone()
         except Exception:  # noqa: BLE001 - HashStore, FileStore: nothing that a death could leave waiting
+            own = None
+        if own is None:
             yield group_store
             return
         sockets = {fd: inode for fd, inode in socket_inodes().items() if inode not in before}
@@ -97,27 +102,37 @@ class Reforming:
         except ReformCalledOff:
             raise
         except Exception as exc:
-            stop.set()
-            watcher.join(5)
+            self._stop_watching(stop, watcher)
             if self._said:
                 raise ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {self._said[0]}") from exc
             self.give_up(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
         finally:
-            stop.set()  # wakes the watcher at once: the happy path waits for no poll
-            watcher.join(5)
+            self._stop_watching(stop, watcher)
+        if self._said:  # gloo connected here, but the watcher gave up for the others: fail alike
+            raise ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {self._said[0]}")
+
+    def _stop_watching(self, stop: threading.Event, watcher: threading.Thread) -> None:
+        """The watcher stops, at once (no poll to wait out), and cuts nothing from now on."""
+        with self._cutting:
+            stop.set()
+        watcher.join(5)
 
     def await_members(self, own, deadline: float) -> float:
         """Say this member arrived, through ``own`` (this rank's connection, under the generation's
         prefix), and wait there until every member did; returns how many seconds gloo may then take
         to connect. Raises :class:`ReformCalledOff` when given up, or when someone never came by
         ``deadline`` (``time.monotonic()``), naming who."""
-        own.set(self._keys[self.rank], f"{os.getpid()}@{socket.gethostname()}".encode())
-        try:  # the store wakes the wait as the last member arrives: no poll on the happy path
-            own.wait(self._keys, timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        own.set(self._keys[self.rank], f"{os.getpid()}@{_where()}".encode())
+        # The store wakes the wait as the last member arrives: no poll on the happy path. A group
+        # after the first gets MIN_CONNECT_S at least: its members come from the last one together.
+        try:
+            own.wait(self._keys, timedelta(seconds=max(MIN_CONNECT_S, deadline - time.monotonic())))
         except Exception:
             if self._said:
                 raise
             absent = [self.members[i] for i, key in enumerate(self._keys) if not self.store.check([key])]
+            if not absent:
+                raise
             self.give_up(f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} never came to it")
         self._arrivals = own.multi_get(self._keys)
         why = _dead_here(self.members, self._arrivals)  # one may have died while it waited for the last
@@ -148,21 +163,40 @@ class Reforming:
                 why = self.why_give_up()
             except Exception:  # noqa: BLE001 - the store went: the wait on it fails by itself
                 return
-            if why is not None:
+            if why is None:
+                continue
+            with self._cutting:  # never once the main thread has stopped watching (it connected)
+                if stop.is_set():
+                    return
                 self._said.append(why)
                 with contextlib.suppress(Exception):
                     self.store.compare_set(_GAVE_UP, "", why)
                 shut_down_sockets(sockets)
-                return
+            return
+
+
+def _where() -> str:
+    """This process's machine and PID namespace, as a peer's arrival must say it for its pid to be
+    looked up here: the hostname alone is shared by containers on one host (host networking)."""
+    if not _WHERE:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as fh:
+                boot = fh.read().strip()
+            namespace = os.stat("/proc/self/ns/pid").st_ino
+        except OSError:  # no /proc to look in: no peer is ever judged from here
+            boot, namespace = secrets.token_hex(8), 0
+        _WHERE.append(f"{socket.gethostname()}|{boot}|{namespace}")
+    return _WHERE[0]
 
 
 def _dead_here(members: tuple, arrivals: list) -> str | None:
-    """``"rank 1 (pid 123) died"``: the first member whose arrival says it runs on this machine and
-    whose process has ended since (gone, or a zombie its parent has not reaped yet); else None."""
-    host = socket.gethostname()
+    """``"rank 1 (pid 123) died"``: the first member whose arrival says it runs on this machine, in
+    this PID namespace, and whose process has ended since (gone, or a zombie its parent has not
+    reaped yet); else None."""
+    here = _where()
     for grank, said in zip(members, arrivals):
         pid, _, where = said.decode().partition("@")
-        if where != host or int(pid) == os.getpid():
+        if where != here or int(pid) == os.getpid():
             continue
         try:
             with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
