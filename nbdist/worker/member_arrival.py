@@ -93,9 +93,8 @@ class Reforming:
         if own is None:
             yield group_store
             return
-        sockets = {fd: inode for fd, inode in socket_inodes().items() if inode not in before}
         stop = threading.Event()
-        watcher = threading.Thread(target=self._watch, args=(sockets, stop), name="nbdist-reform-watch", daemon=True)
+        watcher = threading.Thread(target=self._watch, args=(before, stop), name="nbdist-reform-watch", daemon=True)
         watcher.start()
         try:
             yield own
@@ -156,23 +155,27 @@ class Reforming:
             self.store.compare_set(_GAVE_UP, "", why)  # the first reason stays
         raise ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {why}")
 
-    def _watch(self, sockets: dict, stop: threading.Event) -> None:
-        """Until ``stop``: once the re-forming must be given up, say why and shut ``sockets`` down."""
+    def _watch(self, before: set, stop: threading.Event) -> None:
+        """Until ``stop``: once the re-forming must be given up, say why and shut down every socket
+        opened since ``before`` (this rank's store connection, and gloo's pairs: a connect to a dead
+        peer's address retries until gloo's timeout, and a CI run saw one outlast the kernel's 90 s),
+        and go on shutting down the ones gloo opens again, until the main thread stops watching."""
         while not stop.wait(_WATCH_POLL_S):
-            try:
-                why = self.why_give_up()
-            except Exception:  # noqa: BLE001 - the store went: the wait on it fails by itself
-                return
-            if why is None:
-                continue
+            if not self._said:
+                try:
+                    why = self.why_give_up()
+                except Exception:  # noqa: BLE001 - the store went: the wait on it fails by itself
+                    why = None
+                if why is None:
+                    continue
             with self._cutting:  # never once the main thread has stopped watching (it connected)
                 if stop.is_set():
                     return
-                self._said.append(why)
-                with contextlib.suppress(Exception):
-                    self.store.compare_set(_GAVE_UP, "", why)
-                shut_down_sockets(sockets)
-            return
+                if not self._said:
+                    self._said.append(why)
+                    with contextlib.suppress(Exception):
+                        self.store.compare_set(_GAVE_UP, "", why)
+                shut_down_sockets({fd: inode for fd, inode in socket_inodes().items() if inode not in before})
 
 
 def _where() -> str:
