@@ -103,12 +103,12 @@ class Reforming:
         except Exception as exc:
             self._stop_watching(stop, watcher)
             if self._said:
-                raise ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {self._said[0]}") from exc
+                raise self._called_off(self._said[0]) from exc
             self.give_up(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}")
         finally:
             self._stop_watching(stop, watcher)
         if self._said:  # gloo connected here, but the watcher gave up for the others: fail alike
-            raise ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {self._said[0]}")
+            raise self._called_off(self._said[0])
 
     def _stop_watching(self, stop: threading.Event, watcher: threading.Thread) -> None:
         """The watcher stops, at once (no poll to wait out), and cuts nothing from now on."""
@@ -153,7 +153,10 @@ class Reforming:
         """Tell the other members (they stop waiting too), and raise :class:`ReformCalledOff`."""
         with contextlib.suppress(Exception):  # the store itself failing: they find out by their deadline
             self.store.compare_set(_GAVE_UP, "", why)  # the first reason stays
-        raise ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {why}")
+        raise self._called_off(why)
+
+    def _called_off(self, why: str) -> ReformCalledOff:
+        return ReformCalledOff(f"nbdist: re-forming {self.label} was called off: {why}")
 
     def _watch(self, before: set, stop: threading.Event) -> None:
         """Until ``stop``: once the re-forming must be given up, say why and shut down every socket
