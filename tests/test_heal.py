@@ -210,6 +210,63 @@ def test_a_death_while_the_heal_re_forms_calls_it_off_at_once(kernel, whom):
     kernel.run("%dist_stop")
 
 
+SLOW_TO_FINGERPRINT = """%%distributed --view text
+import os, time, torch, torch.distributed as dist
+class Slow:  # the heal's fingerprint pickles it: the survivors are still at it, the new rank idle
+    def __reduce__(self):
+        open({flag!r}, "a").close()
+        time.sleep(3)
+        return (Slow, ())
+slow = Slow()
+w = torch.ones(8)"""
+
+
+def test_a_replacement_dying_between_the_heal_s_calls_fails_it_at_once(kernel, tmp_path):
+    # A replacement that died while none of the heal's calls waited on it (it had joined the groups
+    # and said hello; the survivors were comparing their names) was not remembered: the heal's next
+    # call on it waited its 60 s, and the session was LOST (2 of 6 runs of the test above).
+    flag = str(tmp_path / "fingerprinting")
+    assert kernel.run("%dist_start -n 3").status == "ok"
+    assert kernel.run(SLOW_TO_FINGERPRINT.format(flag=flag)).status == "ok"
+    sid = _s(kernel, "_s.session_id").strip("'")
+    os.kill(int(_s(kernel, "_s.pids[2]")), signal.SIGKILL)
+    _wait_status(kernel, "degraded")
+    known = marked_pids(sid)
+    msg = kernel.send("%dist_heal")
+    wait_for(lambda: os.path.exists(flag), 60, interval=0.01, what="the survivors to fingerprint their names")
+    new = marked_pids(sid) - known
+    assert len(new) == 1, new
+    os.kill(new.pop(), signal.SIGKILL)
+    t0 = time.monotonic()
+    res = kernel.collect(msg, 150)
+    took = time.monotonic() - t0
+    assert res.status == "error" and "the heal of rank 2 failed and was undone" in res.error_text, res.error_text
+    assert "replacement died" in res.error_text, res.error_text
+    assert took < 20, took  # the survivors' 3 s of fingerprinting, then at once
+    _wait_status(kernel, "degraded")
+    healed = kernel.run("%dist_heal")
+    assert healed.status == "ok", healed.error_text + healed.stdout
+    assert eval(_s(kernel, "_s.execute('w.sum().item()')")) == {0: 8.0, 1: 8.0, 2: 8.0}
+    kernel.run("%dist_stop")
+
+
+def test_a_stop_during_an_auto_heal_ends_the_heal_at_once(kernel, tmp_path):
+    # A session ended under one of the heal's calls (%dist_stop while --heal auto heals in the
+    # background) left the heal waiting the call's 60 s for answers that could not come.
+    flag = str(tmp_path / "fingerprinting")
+    assert kernel.run("%dist_start -n 3 --heal auto").status == "ok"
+    assert kernel.run(SLOW_TO_FINGERPRINT.format(flag=flag)).status == "ok"
+    _s(kernel, "_inc = _s._current")
+    os.kill(int(_s(kernel, "_s.pids[2]")), signal.SIGKILL)
+    wait_for(lambda: os.path.exists(flag), 60, interval=0.01, what="the auto heal to fingerprint the names")
+    t0 = time.monotonic()
+    assert kernel.run("%dist_stop").status == "ok"
+    wait_for(lambda: _s(kernel, "_inc.last_heal is not None") == "True", 30, interval=0.05, what="the heal to end")
+    took = time.monotonic() - t0
+    assert took < 15, took  # the survivors' 3 s of fingerprinting at most
+    assert _s(kernel, "isinstance(_inc.last_heal, Exception)") == "True", _s(kernel, "_inc.last_heal")
+
+
 def test_with_one_survivor_what_every_rank_defined_comes_back(kernel):
     # Soak seed 135951848: two ranks, one killed; the heal left out the training step a cell run on
     # both had defined (nothing to compare with), and the next cell raised NameError on the new rank.

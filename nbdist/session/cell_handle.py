@@ -319,6 +319,8 @@ class CellHandle(EventSource):
             self.status, self.error = "lost", error
             for rank in self.busy_ranks():
                 self._set_rank(rank, "killed")
+            if self.internal:  # its caller waits for the answers (internal_calls): there will be none
+                self.answered.set()
             self._end()
 
     def _end(self) -> None:

@@ -35,7 +35,7 @@ from nbdist.protocol.session_channel import read_session_key
 from nbdist.protocol.shared_values import dump_shared, reshare
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.cell_history import CellRecord
-from nbdist.session.rank_deaths import begin_reform, degrade_survivors, describe_gone, tell_untold_deaths
+from nbdist.session.rank_deaths import begin_reform, degrade_until_told, describe_gone, tell_untold_deaths
 from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["heal", "HealReport", "HEAL_CONNECT_S"]
@@ -109,6 +109,7 @@ def heal(inc, donor: int | None = None) -> HealReport:
     with inc.lock:
         if not inc.life.move("healing", only_from=("degraded",)):
             raise RuntimeError(f"nothing to heal now: the session is {inc.status}")
+        inc.replacements_dead = {}
     dead, survivors = sorted(inc.gone), sorted(inc.pids)
     donor = survivors[0] if donor is None else donor
     report = HealReport(healed=dead, donor=donor)
@@ -121,6 +122,8 @@ def heal(inc, donor: int | None = None) -> HealReport:
             raise RuntimeError(f"{'; '.join(bad)} can't be re-formed with a new member (only groups made "
                                f"without backend= are); {inc.restart_hint}")
         generation = begin_reform(inc, survivors)
+        if inc.ended:  # the last survivor died meanwhile: nothing is left to heal from
+            raise SessionLostError(inc.lost_reason or "the session was closed")
         hellos = _start_replacements(inc, dead, calls, generation, started)
         report.seconds["start"] = time.monotonic() - t0
         t1 = time.monotonic()
@@ -129,26 +132,39 @@ def heal(inc, donor: int | None = None) -> HealReport:
         t2 = time.monotonic()
         _copy_namespace(inc, report, survivors)
         report.seconds["copy"] = time.monotonic() - t2
+        _end_healed(inc, dead)
     except BaseException as exc:
         _undo(inc, dead, started, exc)
         if inc.lost_reason is not None and not isinstance(exc, SessionLostError):
             raise SessionLostError(inc.lost_reason) from exc  # what every later cell says too
         if started and isinstance(exc, Exception) and inc.life.state == "degraded":  # the cause, then what now
-            raise RuntimeError(f"the heal of {format_rank_set(dead)} failed and was undone: {exc}\n"
+            # A replacement's death is the root cause, whatever the survivors then raised
+            cause = "; ".join(f"rank {r}'s replacement died: {f.describe()}"
+                              for r, f in sorted(inc.replacements_dead.items())) or exc
+            raise RuntimeError(f"the heal of {format_rank_set(dead)} failed and was undone: {cause}\n"
                                f"the session is degraded ({describe_gone(inc.gone)}); {inc.heal_hint} "
                                f"(again); {inc.restart_hint}") from exc
         raise
-    with inc.lock:
-        for rank in dead:
-            inc.gone.pop(rank, None)
-            inc.gone_told.discard(rank)
-        inc.sources_held = set()  # the new rank holds no notebook source yet: the next cell sends them
-        inc.life.move("idle", only_from=("healing",))
     # For the export: a job replaying a later stopped cell issues the collectives the rebuilt reducers do.
     inc.history.add(CellRecord(inc.cells_sent, sorted(inc.pids), True, what="heal", status="finished",
                                source=f"{format_rank_set(dead)} from rank {donor}"))
     tell_untold_deaths(inc)  # the donor, say, died after it gave its names
     return report
+
+
+def _end_healed(inc, dead: list[int]) -> None:
+    """The dead ranks are ranks again, and the session idle; unless a replacement died since the
+    heal's last call (nothing waited on it then), which fails the heal (it undoes)."""
+    with inc.lock:
+        died = sorted(inc.replacements_dead)
+        if not died:
+            for rank in dead:
+                inc.gone.pop(rank, None)
+                inc.gone_told.discard(rank)
+            inc.sources_held = set()  # the new rank holds no notebook source yet: the next cell sends them
+            inc.life.move("idle", only_from=("healing",))
+    if died:
+        raise RuntimeError(f"{format_rank_set(died)}'s replacement died at the end of the heal")
 
 
 def _start_replacements(inc, dead: list[int], calls: list, generation: int, started: dict) -> dict:
@@ -305,10 +321,5 @@ def _undo(inc, dead: list[int], started: dict[int, int], exc: BaseException) -> 
     with inc.lock:
         if not inc.life.move("recovering", only_from=("healing",)):
             return
-    try:
-        degrade_survivors(inc)
-    except Exception as again:  # noqa: BLE001
-        inc.lose(f"the session was stopped: the heal failed ({type(exc).__name__}: {exc}), and then its survivors "
-                 f"could not be brought in step ({type(again).__name__}: {again}); {inc.restart_hint}")
-        return
-    inc.life.move("degraded", only_from=("recovering",))
+    # A survivor that dies meanwhile starts it over on who is left, as for a death while idle
+    degrade_until_told(inc, f"the heal failed ({type(exc).__name__}: {exc}), and then")

@@ -104,6 +104,9 @@ class Incarnation:
         self.last_failed_rank: int | None = None  # the root cause of the last failed cell (%dist_debug)
         self.gone: dict = {}  # rank -> RankGone: ranks that died, the survivors kept (nbdist.session.rank_deaths)
         self.gone_told: set[int] = set()  # of those, the ones the survivors' groups know they lack
+        # rank -> RankFailure: the heal's replacements that died during it (between two of its calls,
+        # none of which then waits on them: the next one must not either)
+        self.replacements_dead: dict = {}
         self.heal_mode: str | None = None  # "auto": a death is healed at once (Session(heal="auto"))
         self.last_heal = None  # the last heal's HealReport, or the error that stopped it
         self._cells = 0
@@ -394,6 +397,11 @@ class Incarnation:
             cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal, stdin)
             if not internal:
                 self.life.move("busy")
+            dead = self._dead_targets(targets) if internal else {}
+        if dead:  # the call fails on them at once, as on a rank that dies during it
+            targets = [r for r in targets if r not in dead]
+            if any([cell.record_death(failure) for failure in dead.values()]):
+                threading.Thread(target=self.settle, args=(cell,), daemon=True).start()
         if timeout is not None:
             cell.start_timer(timeout, self.interrupt_cell)
         if autoreload is not None and not internal and not self.remote.intersection(targets):
@@ -403,6 +411,14 @@ class Incarnation:
         self.rank_run.pace.wake()  # the cell's first lines show live, not a quiet tick late
         self.send(targets, ("cell", cell.cell_id, cell_dir, options, payload))
         return cell
+
+    def _dead_targets(self, targets) -> dict:
+        """Under the lock: ``{rank: RankFailure}`` of an internal call's ``targets`` that died before it
+        began (chosen by a caller that looked first), the heal's replacements that died included."""
+        dead = {r: g.as_failure() for r, g in self.gone.items() if r in targets and r not in self.conns}
+        if self.life.state == "healing":
+            dead.update((r, f) for r, f in self.replacements_dead.items() if r in targets)
+        return dead
 
     def send(self, ranks, message) -> None:
         """Write ``message`` to each of ``ranks`` (small tuples: one write each, never torn)."""

@@ -26,6 +26,8 @@ def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None, 
     gone = sorted(set(ranks or ()) - set(inc.conns))
     if gone:  # died since the caller chose them (the heal's donor, say)
         raise RuntimeError(f"{format_rank_set(gone)} died meanwhile")
+    if ranks is None and not inc.pids or ranks is not None and not ranks:
+        raise RuntimeError("no rank is left to call")  # a cell with no targets would never answer
     cell_dir = inc.new_cell_dir()
     payload, _ = rundir.pack_payload(fn, args, {})
     handle = inc.start_cell(cell_dir, sorted(inc.pids) if ranks is None else list(ranks), payload, None,

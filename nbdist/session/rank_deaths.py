@@ -33,7 +33,7 @@ from nbdist.protocol.session_channel import REFORM_CALLED_OFF_FILE
 from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["RankGone", "note_rank_death", "degrade_survivors", "refuse_for_gone", "describe_gone",
-           "heal_at_once", "tell_untold_deaths", "begin_reform", "LAST_LINES", "MAX_DEATHS_WHILE_RECOVERING"]
+           "heal_at_once", "tell_untold_deaths", "degrade_until_told", "begin_reform", "LAST_LINES", "MAX_DEATHS_WHILE_RECOVERING"]
 
 log = logging.getLogger(__name__)
 MAX_DEATHS_WHILE_RECOVERING = 4  # each one starts the recovery over on the survivors; then it gives up
@@ -122,12 +122,14 @@ def note_rank_death(inc, rank: int, status) -> None:
 
 
 def _fail_heal_call(inc, rank: int, status) -> None:
-    """The heal's replacement for ``rank`` died: the call it was part of fails (the heal then undoes)."""
+    """The heal's replacement for ``rank`` died: the call it was part of fails (the heal then undoes),
+    and so does every later call of the heal's on it (it may have died between two, under inc.lock)."""
+    failure = RankFailure(rank=rank, pid=status.pid, exitcode=status.exitcode, signal_name=status.signal_name,
+                          message="its replacement died during the heal", time=time.time())
+    inc.replacements_dead[rank] = failure
     cell = inc.active
     if cell is None or not cell.internal:
         return
-    failure = RankFailure(rank=rank, pid=status.pid, exitcode=status.exitcode, signal_name=status.signal_name,
-                          message="its replacement died during the heal", time=time.time())
     if cell.record_death(failure):
         threading.Thread(target=inc.settle, args=(cell,), daemon=True).start()
 
@@ -162,30 +164,41 @@ def tell_untold_deaths(inc) -> None:
 
 def degrade_when_idle(inc) -> None:
     """An idle session lost a rank: its survivors' groups learn which members they lack."""
-    from nbdist.errors import SessionLostError
-
     time.sleep(SETTLE_S)
     with inc.lock:
         if not inc.life.move("recovering", only_from=("idle", "degraded")):
             return  # busy meanwhile (the cell's end degrades), or ended
+    if not degrade_until_told(inc, f"after {describe_gone(inc.gone)},"):
+        return
+    if inc.heal_mode == "auto":  # no cell to say it: Session.last_heal holds it, and the log
+        log.warning("nbdist: %s", heal_at_once(inc))
+
+
+def degrade_until_told(inc, after: str) -> bool:
+    """A recovering session's survivors told what their groups lack (:func:`degrade_survivors`),
+    again on who is left while ranks keep dying (two at once); then degraded, and True. Else the
+    session is lost, saying why: ``after`` is what came before, in words (``"after rank 2 ...,"``)."""
+    from nbdist.errors import SessionLostError
+
     for _ in range(1 + MAX_DEATHS_WHILE_RECOVERING):
         try:
             degrade_survivors(inc)
             break
         except SessionLostError:
-            return  # the session was stopped, saying why
+            return False  # the session was stopped, saying why
         except Exception as exc:
             if not inc.ended and inc.pids and set(inc.gone) - inc.gone_told:
-                continue  # another rank died meanwhile (two at once): again, on who is left
-            inc.lose(f"the session was stopped: after {describe_gone(inc.gone)}, its survivors could not be told "
+                continue  # another rank died meanwhile: again, on who is left
+            inc.lose(f"the session was stopped: {after} its survivors could not be told "
                      f"({type(exc).__name__}: {exc}); the state is lost; {inc.restart_hint}")
-            return
+            return False
     else:
         inc.lose(f"the session was stopped: ranks kept dying ({describe_gone(inc.gone)}); {inc.restart_hint}")
-        return
-    inc.life.move("degraded", only_from=("recovering",))
-    if inc.heal_mode == "auto":  # no cell to say it: Session.last_heal holds it, and the log
-        log.warning("nbdist: %s", heal_at_once(inc))
+        return False
+    if not inc.life.move("degraded", only_from=("recovering",)):
+        return False  # closed meanwhile
+    tell_untold_deaths(inc)  # one that died once the call had answered: no call saw it
+    return True
 
 
 def heal_at_once(inc) -> str:
