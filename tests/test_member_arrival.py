@@ -77,3 +77,19 @@ def test_a_dead_peer_counts_only_where_its_pid_can_be_looked_up():
     elsewhere = f"{child.pid}@{host}|{boot}|1".encode()  # same host and boot, another PID namespace
     assert _dead_here((0, 3), [mine, elsewhere]) is None
     assert _dead_here((0, 3), [mine, f"{os.getppid()}@{here}".encode()]) is None  # alive
+
+
+def test_a_member_still_stuck_after_the_give_up_says_where_in_its_log(store, session_dir, monkeypatch, capfd):
+    # A CI run saw rank 0 stay in gloo's connect after its watcher gave up: the log now says what
+    # the stuck thread waits in (its system call, its sockets' states), for the next one to read.
+    monkeypatch.setattr(member_arrival, "_STILL_STUCK_S", 0.3)
+    reforming = Reforming(dist.PrefixStore("nbdist-gen7/", store), 0, (0, 1), 7, "group g")
+    path = session_dir / REFORM_CALLED_OFF_FILE.format(generation=7)
+    threading.Timer(0.2, lambda: path.write_text("rank 1 was killed by SIGKILL (pid 4)")).start()
+    with pytest.raises(ReformCalledOff, match="called off: rank 1 was killed"):
+        with reforming.watched(store):
+            time.sleep(1.5)  # a wait in C that no socket of ours frees
+    err = capfd.readouterr().err
+    assert "re-forming group g (generation 7) given up: rank 1 was killed by SIGKILL (pid 4)" in err, err
+    stuck = next(line for line in err.splitlines() if "still re-forming" in line)
+    assert "syscall " in stuck and "TCP sockets: " in stuck and "ESTABLISHED" in stuck, stuck

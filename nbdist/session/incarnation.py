@@ -45,7 +45,7 @@ from nbdist.session.cell_handle import CellHandle
 from nbdist.session.peers import tell_world_gone
 from nbdist.session.reply_reader import ReaderWake, read_replies
 from nbdist.session.cell_history import CellHistory
-from nbdist.session.rank_deaths import describe_gone, note_rank_death, refuse_for_gone, tell_untold_deaths
+from nbdist.session.rank_deaths import dead_targets, describe_gone, note_rank_death, refuse_for_gone, tell_untold_deaths
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.watched_files import WatchedFiles
 from nbdist.session.internal_calls import CHECK_TIMEOUT_S
@@ -397,7 +397,7 @@ class Incarnation:
             cell = self.active = CellHandle(self, int(os.path.basename(cell_dir)), targets, cell_dir, internal, stdin)
             if not internal:
                 self.life.move("busy")
-            dead = self._dead_targets(targets) if internal else {}
+            dead = dead_targets(self, targets) if internal else {}
         if dead:  # the call fails on them at once, as on a rank that dies during it
             targets = [r for r in targets if r not in dead]
             if any([cell.record_death(failure) for failure in dead.values()]):
@@ -411,14 +411,6 @@ class Incarnation:
         self.rank_run.pace.wake()  # the cell's first lines show live, not a quiet tick late
         self.send(targets, ("cell", cell.cell_id, cell_dir, options, payload))
         return cell
-
-    def _dead_targets(self, targets) -> dict:
-        """Under the lock: ``{rank: RankFailure}`` of an internal call's ``targets`` that died before it
-        began (chosen by a caller that looked first), the heal's replacements that died included."""
-        dead = {r: g.as_failure() for r, g in self.gone.items() if r in targets and r not in self.conns}
-        if self.life.state == "healing":
-            dead.update((r, f) for r, f in self.replacements_dead.items() if r in targets)
-        return dead
 
     def send(self, ranks, message) -> None:
         """Write ``message`` to each of ``ranks`` (small tuples: one write each, never torn)."""

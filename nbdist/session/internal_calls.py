@@ -35,6 +35,8 @@ def call_on_ranks(inc, fn, *args, timeout: float = CHECK_TIMEOUT_S, ranks=None, 
     if not handle.answered.wait(timeout):
         stuck = handle.busy_ranks()
         where = inc.dump_stacks(stuck) if stuck else ""
+        if handle.deaths:  # what the stuck ones may have waited for: the kernel saw it die
+            where += f" ({format_rank_set(sorted(handle.deaths))} died during it)"
         inc.lose(f"the session was stopped: {format_rank_set(stuck)} did not answer within {timeout:g} s "
                  f"while the session brought its ranks back in step{where}; the state is lost; {inc.restart_hint}")
         raise SessionLostError(inc.lost_reason)

@@ -28,12 +28,12 @@ import time
 from dataclasses import dataclass
 
 from nbdist.errors import RankFailure, RankGoneError, format_rank_set
-from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import REFORM_CALLED_OFF_FILE
 from nbdist.session.internal_calls import call_on_ranks
 
 __all__ = ["RankGone", "note_rank_death", "degrade_survivors", "refuse_for_gone", "describe_gone",
-           "heal_at_once", "tell_untold_deaths", "degrade_until_told", "begin_reform", "LAST_LINES", "MAX_DEATHS_WHILE_RECOVERING"]
+           "heal_at_once", "tell_untold_deaths", "degrade_until_told", "dead_targets", "begin_reform", "LAST_LINES",
+           "MAX_DEATHS_WHILE_RECOVERING"]
 
 log = logging.getLogger(__name__)
 MAX_DEATHS_WHILE_RECOVERING = 4  # each one starts the recovery over on the survivors; then it gives up
@@ -134,6 +134,16 @@ def _fail_heal_call(inc, rank: int, status) -> None:
         threading.Thread(target=inc.settle, args=(cell,), daemon=True).start()
 
 
+def dead_targets(inc, targets) -> dict:
+    """Under inc.lock: ``{rank: RankFailure}`` of an internal call's ``targets`` that died before it
+    began (a caller chose them, then one died), the heal's replacements that died included: the
+    call fails on them at once, as on a rank that dies during it."""
+    dead = {r: g.as_failure() for r, g in inc.gone.items() if r in targets and r not in inc.conns}
+    if inc.life.state == "healing":
+        dead.update((r, f) for r, f in inc.replacements_dead.items() if r in targets)
+    return dead
+
+
 def begin_reform(inc, needed) -> int:
     """The generation the ranks re-form their groups to, the ranks ``needed`` there remembered: the
     death of one calls the re-forming off at once, so that its peers stop waiting for it
@@ -151,8 +161,12 @@ def begin_reform(inc, needed) -> int:
 def _call_off_reform(inc, generation: int, why: str) -> None:
     """Tell the ranks waiting for their peers under ``generation`` to stop: ``why``, in a file they poll."""
     path = os.path.join(inc.run_dir, REFORM_CALLED_OFF_FILE.format(generation=generation))
-    with contextlib.suppress(OSError):  # the run dir is gone: so are the ranks
-        rundir.write_private(path, why.encode())
+    # The first reason stays, with its time (the file's): later deaths are its consequences. A
+    # member that reads the file before the reason is in says "a member died" (member_arrival).
+    with contextlib.suppress(OSError):  # there already, or the run dir is gone (so are the ranks)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(why.encode())
 
 
 def tell_untold_deaths(inc) -> None:

@@ -254,6 +254,12 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity, leaving: bo
 
     skip_breakpoints(identity.rank)  # a one-shot rank has no way back to the notebook; a session's sets its own
     created_group = False
+    if spec.reformable and os.environ.get("NBDIST_HEAL_GENERATION"):
+        from nbdist.worker.member_arrival import watch_calls_off
+
+        # A heal's new rank joins its peers' re-forming here, before its session loop: the kernel's
+        # call-off must free it too (a survivor that died before it arrived left it waiting)
+        watch_calls_off(run_dir)
     try:
         created_group = init_distributed(spec, identity)
         fn, args, kwargs, _extra = rundir.read_payload(run_dir)

@@ -25,12 +25,13 @@ import contextlib
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
 
 from nbdist.protocol.session_channel import REFORM_CALLED_OFF_FILE
-from nbdist.worker.socket_cut import shut_down_sockets, socket_inodes
+from nbdist.worker.socket_cut import describe_stuck_thread, shut_down_sockets, socket_inodes
 
 __all__ = ["ReformCalledOff", "Reforming", "watch_calls_off", "AFTER_ARRIVAL_S"]
 
@@ -42,6 +43,9 @@ MIN_CONNECT_S = 5.0
 # nothing (the wait itself is woken by the store), and 32 ranks' looks cost the store host little.
 _WATCH_POLL_S = 0.025
 _GAVE_UP = "gave-up"  # the store key by which a member that gave up tells the others
+# A main thread still inside gloo this long after the watcher gave up and cut its sockets waits on
+# something cutting can't free: the rank's log says where (a CI run saw one wait out the kernel's 90 s).
+_STILL_STUCK_S = 5.0
 _SESSION_DIR: list[str] = []
 _WHERE: list[str] = []
 
@@ -163,7 +167,12 @@ class Reforming:
         opened since ``before`` (this rank's store connection, and gloo's pairs: a connect to a dead
         peer's address retries until gloo's timeout, and a CI run saw one outlast the kernel's 90 s),
         and go on shutting down the ones gloo opens again, until the main thread stops watching."""
+        gave_up_at, cut = None, 0
         while not stop.wait(_WATCH_POLL_S):
+            if gave_up_at is not None and time.monotonic() - gave_up_at > _STILL_STUCK_S:
+                gave_up_at = float("inf")  # said once
+                _log(f"{self.label} is still re-forming {_STILL_STUCK_S:g} s after it was given up "
+                     f"({cut} sockets shut down): {describe_stuck_thread(threading.main_thread().native_id)}")
             if not self._said:
                 try:
                     why = self.why_give_up()
@@ -176,9 +185,17 @@ class Reforming:
                     return
                 if not self._said:
                     self._said.append(why)
+                    gave_up_at = time.monotonic()
+                    _log(f"re-forming {self.label} (generation {self.generation}) given up: {why}")
                     with contextlib.suppress(Exception):
                         self.store.compare_set(_GAVE_UP, "", why)
-                shut_down_sockets({fd: inode for fd, inode in socket_inodes().items() if inode not in before})
+                cut += shut_down_sockets({fd: inode for fd, inode in socket_inodes().items() if inode not in before})
+
+
+def _log(line: str) -> None:
+    """A line in the rank's log (its stderr), for whoever reads why a re-forming ended as it did."""
+    with contextlib.suppress(Exception):
+        print(f"nbdist: {line}", file=sys.stderr, flush=True)
 
 
 def _where() -> str:
