@@ -288,6 +288,31 @@ def test_with_one_survivor_what_every_rank_defined_comes_back(kernel):
     kernel.run("%dist_stop")
 
 
+
+def test_a_healed_rank_keeps_the_cells_lines_and_heals_another_alone(kernel):
+    # Under load, the soak saw a rank healed from a healed one lose the training step: the heal's
+    # pickle gave copied code cloudpickle's "<dynamic-code>" file, so the healed donor could not tell
+    # a cell run on every rank had defined it (and its tracebacks lost the cell's lines). An imported
+    # class was left out too, where a module is copied.
+    assert kernel.run("%dist_start -n 2").status == "ok"
+    cell = ("%%distributed --view text\nfrom collections import OrderedDict as OD\n"
+            "def step(x):\n    if x < 0:\n        raise ValueError('negative')\n    return OD(x=2 * x)['x']")
+    assert kernel.run(cell).status == "ok"
+    for dead in (1, 0):  # rank 1, healed from rank 0; then rank 0, from the healed rank 1 alone
+        os.kill(int(_s(kernel, f"_s.pids[{dead}]")), signal.SIGKILL)
+        _wait_status(kernel, "degraded")
+        healed = kernel.run("%dist_heal")
+        assert healed.status == "ok" and f"healed rank {dead}" in healed.stdout, healed.error_text + healed.stdout
+        assert "nothing to compare" not in healed.stdout, healed.stdout  # every name came back
+        assert eval(_s(kernel, "_s.execute('step(5)')")) == {0: 10, 1: 10}
+    failed = kernel.run("%%distributed --view text\nstep(-1)")
+    assert failed.status == "error"
+    shown = failed.stdout + failed.error_text
+    assert 'cell [1], line 5, in step' in shown or 'line 5, in step' in shown, shown
+    assert "dynamic-code" not in shown, shown
+    kernel.run("%dist_stop")
+
+
 MESH = """%%distributed --view text
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

@@ -198,6 +198,32 @@ def test_a_rank_behind_the_point_in_a_first_steps_compute_reaches_it(three, tmp_
     assert len(set(map(repr, three.execute("replica()").values()))) == 1
 
 
+
+def test_ranks_still_on_their_way_when_a_peer_stopped_at_the_point_get_there(three, tmp_path):
+    """Every rank at the same collective when asked; rank 2 then computes 0.45 s (an optimizer step
+    on a busy box) where its peers take 0.1 s: they stop at the point, having counted their step,
+    and the cell's pace (0.3 s) would stop rank 2 where it is, a step short (soak, under a CPU hog:
+    "optimizer #2 took a different number of steps"). A peer got there: rank 2 gets the longer
+    window, and every rank stops at the point with its step counted."""
+    three.execute(f"import os, time, torch, torch.distributed as dist\nrank = dist.get_rank()\nt = torch.ones(1)\n"
+                  f"steps = 0\nslow = False\nflag = {str(tmp_path / 'flag')!r}")
+    code = ("while True:\n    if rank == 2 and not slow and os.path.exists(flag):\n        slow = True\n"
+            "        open(flag + '.in', 'w').close()\n        time.sleep(0.45)\n    else:\n        time.sleep(0.1)\n"
+            "    steps += 1\n    dist.all_reduce(t)")
+    cell = three.execute(began(code, tmp_path / "c"), join=False)
+    wait_began(tmp_path / "c", 3)
+    time.sleep(0.5)  # a few steps: the cell's pace is known
+    (tmp_path / "flag").touch()
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "flag.in").exists():
+        assert time.monotonic() < deadline, "rank 2 never began its long compute"
+        time.sleep(0.002)
+    took, report = stop(cell, 0.0)
+    assert "ranks 0-2 stopped before all_reduce #" in report and "the point they agreed on" in report, report
+    assert took < 2.0, f"idle in {took:.2f} s"
+    assert len(set(three.execute("steps").values())) == 1, report
+
+
 def test_the_window_is_longer_for_a_rank_behind_the_point():
     from nbdist.session.agreed_stop import BEHIND_WINDOW_S, WINDOW_MIN_S, _window
 

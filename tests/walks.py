@@ -24,7 +24,7 @@ from conftest import KEPT_TEMPLATES, find_marked_leftovers, wait_for
 import nbdist
 from nbdist.errors import RankGoneError, RunStoppedError, RunTimeoutError, WorkerFailedError
 
-__all__ = ["SessionWalk", "RunWalk"]
+__all__ = ["SessionWalk", "HealWalk", "RunWalk"]
 
 SETUP = "import os, time, itertools, torch, torch.distributed as dist\nrank = dist.get_rank()\nstate = {}\nspins = 0"
 DDP = """
@@ -345,6 +345,18 @@ class SessionWalk:
         time.sleep(self.rng.uniform(0, 0.5))
         self.session.restart()  # the first new ranks are still coming up
         self._fresh()
+
+
+class HealWalk(SessionWalk):
+    """A session walk mostly of deaths during heals, on 3 ranks (a heal from one survivor, from a healed
+    rank, a third death while it re-forms), between training stops. Run in a loop beside a CPU hog,
+    it found in ten minutes what the mixed walk had met once in a CI run: gloo's connect waiting past
+    the kernel's deadline, a heal from a healed rank leaving the cells' functions out, and a stop that
+    left a slower rank a step behind."""
+
+    def __init__(self, seed: int, start_method: str):
+        super().__init__(seed, start_method, nprocs=3)
+        self.steps = [(3, self.kill_during_heal), (1, self.stop_training), (1, self.set_state), (1, self.collective)]
 
 
 class RunWalk:

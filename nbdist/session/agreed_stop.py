@@ -12,7 +12,8 @@ the ranks (:mod:`nbdist.worker.stop_point` has the rank's half and the why):
 3. Ranks that reach no collective within the window (a loop without collectives, a long compute)
    get the SIGINT where they are, as before, and the cell says which replicas may differ. A rank
    behind the point gets a longer window: its peers already issued what it computes towards; so
-   does one inside an optimizer's step (stopped there, its update would be half applied).
+   does one inside an optimizer's step (stopped there, its update would be half applied), and the
+   ranks still on their way once a peer stopped at the point (:func:`await_stop_point`).
 
 The window follows the cell's own pace (a few of its longest gaps between collectives), within
 :data:`WINDOW_MIN_S` and :data:`WINDOW_MAX_S`, so that a stop still reaches idle within 2 s. Only
@@ -31,7 +32,7 @@ from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import STOP_COUNTS_FILE, STOP_POINT_FILE, STOP_REQUEST
 from nbdist.protocol.signals import STOP_POINT_SIGNAL
 
-__all__ = ["AgreedStop", "agree_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S", "STUCK_WAIT_S",
+__all__ = ["AgreedStop", "agree_stop_point", "await_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S", "STUCK_WAIT_S",
            "IMPORT_WINDOW_S", "BEHIND_WINDOW_S"]
 
 REPORT_WITHIN_S = 0.3  # a rank's signal thread answers in ms; one that doesn't in this is not agreed with
@@ -87,6 +88,23 @@ def agree_stop_point(inc, cell) -> AgreedStop | None:
     _publish(inc, cell, point)
     return AgreedStop(point, _window(reports, point), {r: rep["counts"] for r, rep in reports.items()},
                       time.monotonic() - started)
+
+
+def await_stop_point(cell) -> bool:
+    """Wait the agreed window for ``cell``'s ranks to stop at the point (True: every rank answered).
+    Where a rank got there and its peers still compute, they get :data:`BEHIND_WINDOW_S` in all:
+    they run the same code towards the point it reached, only slower (a busy box: soak, under a CPU
+    hog, ranks 0,2 stopped inside an FSDP2 optimizer step 0.074 s after rank 1 stopped at the point,
+    and the replicas drifted). The window then says what it became."""
+    agreed, published = cell.agreed, time.monotonic()
+    if cell.answered.wait(agreed.window):
+        return True
+    if agreed.window <= 0 or agreed.window >= BEHIND_WINDOW_S:
+        return False  # no rank can move; or the longer window already
+    if not set(agreed.counts) - set(cell.busy_ranks()):
+        return False  # nobody got there: nothing says the others are on their way
+    agreed.window = BEHIND_WINDOW_S
+    return cell.answered.wait(max(0.0, published + BEHIND_WINDOW_S - time.monotonic()))
 
 
 def _signal(inc, ranks) -> None:

@@ -20,7 +20,7 @@ from nbdist.errors import SessionLostError, format_rank_set
 from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import CUT_REQUEST, STOP_REQUEST
 from nbdist.protocol.signals import CUT_SIGNAL
-from nbdist.session.agreed_stop import agree_stop_point
+from nbdist.session.agreed_stop import agree_stop_point, await_stop_point
 from nbdist.session.internal_calls import CHECK_TIMEOUT_S, call_on_ranks
 from nbdist.session.collectives import ask_open_collectives, describe_open_collectives
 from nbdist.session.peers import announce_stop
@@ -53,7 +53,7 @@ def stop_cell(inc, cell, release_after: float = RELEASE_AFTER_S) -> None:
     announce_stop(inc, cell)  # a session across kernels: the other nodes stop their part too
     # Every rank stops before the same collective... unless one died: nothing can complete then.
     cell.agreed = None if cell.deaths else agree_stop_point(inc, cell)
-    if cell.agreed is not None and cell.answered.wait(cell.agreed.window):
+    if cell.agreed is not None and await_stop_point(cell):
         return
     busy = cell.busy_ranks()  # ...but the deadline wins: these are stopped where they are
     if cell.agreed is not None and cell.agreed.window > 0:  # (none: each waits in an op that can't complete)

@@ -9,7 +9,11 @@ in two parts:
 
 * **arrival**: each member says it came (its pid and host) under the generation's prefix, and
   waits there until every member did (the store wakes the wait: nothing polls on the happy path);
-* **connect**: gloo connects the members, all alive a moment ago.
+* **connect**: gloo connects the members, all alive a moment ago. gloo's constructor runs in a
+  thread of its own, which the rank stops waiting for once the re-forming is given up or its
+  deadline passed: a pair that waits for its peer to connect waits five times gloo's timeout (seen
+  as 100 s for a 20 s timeout, past the kernel's 90 s: soak seed 425775233, under load), on a
+  condition that no socket of ours can end. The thread ends by gloo's timeout, unwaited.
 
 A watcher thread shuts that connection down, failing whichever wait is on it, once the re-forming
 must be given up: the kernel called the generation off (it writes
@@ -39,6 +43,9 @@ __all__ = ["ReformCalledOff", "Reforming", "watch_calls_off", "AFTER_ARRIVAL_S"]
 # cores: ~2 s). The kernel's own deadline for a re-forming leaves room for this past the arrival.
 AFTER_ARRIVAL_S = 20.0
 MIN_CONNECT_S = 5.0
+# gloo's connect raises by its own timeout, but for a pair whose peer never connects to it; past its
+# timeout by this much, the rank stops waiting for it (see the module's docstring).
+CONNECT_GRACE_S = 2.0
 # How often a watcher looks whether its re-forming must be given up: it costs the happy path
 # nothing (the wait itself is woken by the store), and 32 ranks' looks cost the store host little.
 _WATCH_POLL_S = 0.025
@@ -142,6 +149,36 @@ class Reforming:
         if why is not None:
             self.give_up(why)
         return max(MIN_CONNECT_S, min(AFTER_ARRIVAL_S, deadline - time.monotonic()))
+
+    def connect(self, make, connect_s: float):
+        """``make()`` (gloo's connect, within ``connect_s``) in a thread of its own, waited for until it
+        returns, the re-forming is given up (the watcher's word), or ``connect_s`` +
+        :data:`CONNECT_GRACE_S` passed; its result, or what it raised. Raises
+        :class:`ReformCalledOff` when it is given up for either reason, leaving the thread to end by
+        gloo's own timeout."""
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                out["made"] = make()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, or dropped there
+                out["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="nbdist-gloo-connect", daemon=True).start()
+        deadline = time.monotonic() + connect_s + CONNECT_GRACE_S
+        while not done.wait(min(_WATCH_POLL_S * 4, max(0.0, deadline - time.monotonic()))):
+            if self._said:
+                _log(f"{self.label}: gloo's connect left to end by its own timeout ({self._said[0]})")
+                raise self._called_off(self._said[0])
+            if time.monotonic() >= deadline:
+                _log(f"{self.label}: gloo's connect left to end by its own timeout (past {connect_s:.0f} s)")
+                self.give_up(f"gloo's connect did not end within its {connect_s:.0f} s, with every member "
+                             f"alive as far as rank {self.members[self.rank]} sees")
+        if "error" in out:
+            raise out["error"]
+        return out["made"]
 
     def why_give_up(self) -> str | None:
         """Why this re-forming can't complete, as far as this rank can tell now; else None."""

@@ -27,8 +27,7 @@ import sys
 import types
 import zlib
 
-import cloudpickle
-
+from nbdist.protocol.pickling import SourceKeepingPickler
 from nbdist.protocol.shared_values import IN_BAND_UNDER, load_shared, tensor_buffer
 from nbdist.worker import mesh_copy, optimizer_steps
 from nbdist.worker.group_replay import group_fingerprint, group_reference, made_group, resolve_group
@@ -45,11 +44,13 @@ _ENTRY: dict = {}  # what the process's entry left in __main__ (spawn's spawn_ma
 _TENSOR_BYTES = contextvars.ContextVar("nbdist_fingerprint_tensor_bytes", default=True)
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(SourceKeepingPickler):
     """cloudpickle, with process groups by name (:mod:`nbdist.worker.group_replay`), and the cells'
     functions (methods of their classes too) without the globals they read: on the new rank they
     read its ``__main__`` (cloudpickle would carry a private copy of each global they use, and a
-    model that can't travel, an FSDP2 one, would sink the function with it)."""
+    model that can't travel, an FSDP2 one, would sink the function with it). Their code keeps its
+    cell's file: a healed rank's tracebacks show the cell's lines, and a heal from that rank later
+    still knows where they were defined (cloudpickle's ``<dynamic-code>`` lost both: soak, under load)."""
 
     def persistent_id(self, obj):
         return group_reference(obj)
@@ -290,9 +291,9 @@ def _distributed_sampler(value):
 
 
 def replicated_names(every_rank_cells=(), every_rank_values=()) -> list[str]:
-    """The names whose values nbdist knows are the same on every rank: imported modules, DDP models
-    (their replicas are kept equal by DDP itself), the optimizers over their parameters, and the
-    functions and classes that a cell run on every rank defined (``every_rank_cells``: those cells'
+    """The names whose values nbdist knows are the same on every rank: imported modules, functions and
+    classes (what an import binds), DDP models (their replicas are kept equal by DDP itself), the
+    optimizers over their parameters, and the functions and classes that a cell run on every rank defined (``every_rank_cells``: those cells'
     files) or that such a cell took from the notebook (``every_rank_values``: their names). What a
     heal copies when only one survivor is left to compare with."""
     import torch
@@ -304,7 +305,7 @@ def replicated_names(every_rank_cells=(), every_rank_values=()) -> list[str]:
     cells, sent = set(every_rank_cells), set(every_rank_values)
     out = []
     for name, value in user_names().items():
-        if isinstance(value, types.ModuleType) or id(value) in models:  # a module is imported by name
+        if isinstance(value, types.ModuleType) or id(value) in models or _imported(value):  # imported by name
             out.append(name)
         elif isinstance(value, (types.FunctionType, type)) and getattr(value, "__module__", None) == "__main__":
             where = _defining_file(value)
@@ -315,6 +316,21 @@ def replicated_names(every_rank_cells=(), every_rank_values=()) -> list[str]:
                 id(p) in params for group in value.param_groups for p in group["params"]):
             out.append(name)
     return out
+
+
+def _imported(value) -> bool:
+    """A function or class that its module holds under its qualified name (``from torch.nn.parallel
+    import DistributedDataParallel as DDP``): it is pickled as that reference, the same on every rank
+    as a module is."""
+    if not isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return False
+    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    if module is None or module.__name__ == "__main__":
+        return False
+    found = module
+    for part in getattr(value, "__qualname__", "").split("."):
+        found = getattr(found, part, None)
+    return found is value
 
 
 def _defining_file(value) -> str:

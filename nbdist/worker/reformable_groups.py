@@ -89,42 +89,47 @@ class ReformableGroup(dist.ProcessGroup):
         (:mod:`nbdist.worker.member_arrival`); every member there by ``deadline`` where given."""
         store = dist.PrefixStore(f"nbdist-gen{self.generation}/", self._store)
         if not self.generation:  # made by its members at once, as torch makes groups
-            return self._make_inner(store, store, None)
+            inner, self._sockets = self._make_inner(store, store, None)
+            return inner
         reforming = Reforming(store, self.rank(), self.members, self.generation, self.label)
         with reforming.watched(self._store) as own:
             own = dist.PrefixStore(f"nbdist-gen{self.generation}/", own)
             connect_s = reforming.await_members(own, time.monotonic() + self._timeout.total_seconds()
                                                 if deadline is None else deadline)
-            return self._make_inner(store, own, connect_s)
+            inner, self._sockets = self._make_inner(store, own, connect_s, reforming.connect)
+            return inner
 
-    def _make_inner(self, store, gloo_store, connect_s: float | None):
-        """The inner group: gloo's backend connects through ``gloo_store``, within ``connect_s``."""
+    def _make_inner(self, store, gloo_store, connect_s: float | None, connect=None):
+        """The inner group, and the sockets it opened: gloo's backend connects through ``gloo_store``,
+        within ``connect_s``, through ``connect`` where given (:meth:`Reforming.connect`)."""
         before = set(socket_inodes().values())
         inner = _CProcessGroup(store, self.rank(), self.size())
         default, made_by = None, {}
         for device, backend in self._devices.items():
             if backend not in made_by:  # gloo serves CPU and CUDA tensors over one set of connections
                 base = gloo_store if backend == "gloo" else store  # NCCL uses its store later, lazily
-                made_by[backend] = self._make_backend(backend, dist.PrefixStore(f"{device}/", base), connect_s)
+                made_by[backend] = self._make_backend(backend, dist.PrefixStore(f"{device}/", base), connect_s,
+                                                      connect)
             made, kind = made_by[backend]
             inner._register_backend(torch.device(device), kind, made)
             default = kind if default is None or device != "cpu" else default
         inner._set_default_backend(default)
         # gloo connects its full mesh now: the sockets that appeared are this group's, to cut if
         # the rank gets stuck in one of its collectives with no peer free to release it.
-        self._sockets = {fd: inode for fd, inode in socket_inodes().items() if inode not in before}
-        return inner
+        return inner, {fd: inode for fd, inode in socket_inodes().items() if inode not in before}
 
-    def _make_backend(self, backend: str, store, connect_s: float | None):
+    def _make_backend(self, backend: str, store, connect_s: float | None, connect=None):
         """One torch backend of the inner group, and its kind: gloo's connects its full mesh now
-        (within ``connect_s`` seconds where given, then the collectives' own timeout again)."""
+        (within ``connect_s`` seconds where given, through ``connect``; then the collectives' own
+        timeout again)."""
         from torch._C._distributed_c10d import ProcessGroupGloo
 
         if backend == "gloo":
             opts = ProcessGroupGloo._Options()
             opts._timeout = min(self._timeout, timedelta(seconds=connect_s)) if connect_s else self._timeout
             opts._devices = [ProcessGroupGloo.create_default_device()]
-            made = ProcessGroupGloo(store, self.rank(), self.size(), opts)
+            make = lambda: ProcessGroupGloo(store, self.rank(), self.size(), opts)  # noqa: E731
+            made = connect(make, connect_s) if connect is not None else make()
             if opts._timeout != self._timeout:
                 made.set_timeout(self._timeout)
             return made, _CProcessGroup.BackendType.GLOO
