@@ -1,7 +1,7 @@
 """The heal (issue 28, item 2-4), through a real kernel: a 4-rank DDP session loses rank 2 and gets it
 back from its peers: every survivor's name unchanged, the new rank's model, optimizer and sampler
-in step, a rank-specific and an unpicklable name listed; a death in a training step; two deaths at
-once and a ``new_group`` used after; ``--heal auto``; and the one line where nbdist can't heal."""
+in step, a rank-specific and an unpicklable name listed; a death in a training step (a SIGKILL, a
+segfault, an ``os._exit``); two deaths at once and a ``new_group`` used after; ``--heal auto``; and the one line where nbdist can't heal."""
 
 from __future__ import annotations
 
@@ -117,6 +117,27 @@ def test_deaths_in_a_step_and_two_at_once_heal(kernel, death, tmp_path):
         assert len(_all_in_step(kernel)) == 1
     res = kernel.run("%%distributed --view text --ranks 0,2\nt = torch.ones(1)\ndist.all_reduce(t, group=pair)\nt.item()")
     assert res.status == "ok" and res.result == "2.0", res.error_text
+    kernel.run("%dist_stop")
+
+
+@pytest.mark.parametrize("death", ["SIGSEGV", "os._exit(3)"])
+def test_a_rank_dead_of_a_segfault_or_an_exit_mid_cell_is_healed_and_trains_in_step(kernel, death):
+    """The deaths of test_rank_death that are not a SIGKILL, healed: a segfault in an extension and a
+    library's ``os._exit``, both between two training steps of its peers."""
+    assert kernel.run("%dist_start -n 4").status == "ok"
+    assert kernel.run(SETUP).status == "ok"
+    how = "import ctypes; ctypes.string_at(0)" if death == "SIGSEGV" else "os._exit(3)"
+    res = kernel.run(f"%%distributed --view text\ntrain(2)\nif rank == 1:\n    {how}\ntrain(50)")
+    said = res.error_text + res.stdout
+    cause = "killed by SIGSEGV" if death == "SIGSEGV" else "exited with code 3"
+    assert res.status == "error" and f"rank 1 failed first: {cause}" in said, said
+    _wait_status(kernel, "degraded")
+    res = kernel.run("%dist_heal")
+    assert res.status == "ok" and "healed rank 1 from rank 0" in res.stdout, res.error_text + res.stdout
+    assert kernel.run("%dist_sync").status == "ok"  # a death mid-step may leave the survivors apart
+    for _ in range(10):  # after each step: parameters and Adam's state alike on every rank
+        assert kernel.run("%%distributed --view text\ntrain(1)").status == "ok"
+        assert len(_all_in_step(kernel)) == 1
     kernel.run("%dist_stop")
 
 
