@@ -20,8 +20,8 @@ import pickle
 from dataclasses import dataclass
 
 __all__ = ["SESSION_KEY_FILE", "CUT_REQUEST", "STOP_REQUEST", "COLLECTIVES_FILE", "STOP_COUNTS_FILE",
-           "STOP_POINT_FILE", "REFORM_CALLED_OFF_FILE", "INLINE_PAYLOAD_MAX", "set_nodelay", "shut_down", "read_session_key",
-           "load_value", "Autoreload"]
+           "STOP_POINT_FILE", "REFORM_CALLED_OFF_FILE", "HEAL_GENERATION_ENV", "HEAL_FILE_ENV", "INLINE_PAYLOAD_MAX",
+           "set_nodelay", "shut_down", "read_session_key", "load_value", "Autoreload"]
 
 
 SESSION_KEY_FILE = "session.key"
@@ -71,6 +71,10 @@ STOP_POINT_FILE = "stop-point.json"
 # In the session's dir: the kernel calls off the re-forming of the groups under one generation (a
 # member died), and the ranks waiting for their peers there stop waiting (nbdist.worker.member_arrival).
 REFORM_CALLED_OFF_FILE = "reform-{generation}.called-off"
+# In a heal's replacement rank's environment: the generation its peers re-form under, and the file
+# that holds what the heal hands it (nbdist.session.healing sets them).
+HEAL_GENERATION_ENV = "NBDIST_HEAL_GENERATION"
+HEAL_FILE_ENV = "NBDIST_HEAL_FILE"
 
 
 def load_value(body):

@@ -32,8 +32,8 @@ from nbdist.protocol import rundir
 from nbdist.protocol.session_channel import STOP_COUNTS_FILE, STOP_POINT_FILE, STOP_REQUEST
 from nbdist.protocol.signals import STOP_POINT_SIGNAL
 
-__all__ = ["AgreedStop", "agree_stop_point", "await_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S", "STUCK_WAIT_S",
-           "IMPORT_WINDOW_S", "BEHIND_WINDOW_S"]
+__all__ = ["AgreedStop", "agree_stop_point", "await_stop_point", "REPORT_WITHIN_S", "WINDOW_MIN_S", "WINDOW_MAX_S",
+           "STUCK_WAIT_S", "IMPORT_WINDOW_S", "BEHIND_WINDOW_S"]
 
 REPORT_WITHIN_S = 0.3  # a rank's signal thread answers in ms; one that doesn't in this is not agreed with
 WINDOW_MIN_S = 0.05  # a cell that issued no collective yet is not likely to: stop it soon

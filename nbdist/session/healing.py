@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from nbdist.errors import SessionLostError, format_rank_set
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import read_session_key
+from nbdist.protocol.session_channel import HEAL_FILE_ENV, HEAL_GENERATION_ENV, read_session_key
 from nbdist.protocol.shared_values import dump_shared, reshare
 from nbdist.run.rank_listener import RankListener
 from nbdist.session.cell_history import CellRecord
@@ -183,7 +183,7 @@ def _start_replacements(inc, dead: list[int], calls: list, generation: int, star
                             lambda: inc.life.state == "healing" and not any(map(inc.rank_run.rank_ended, dead)))
         listener.close()
 
-    env = {"NBDIST_HEAL_GENERATION": str(generation), "NBDIST_HEAL_FILE": heal_file}
+    env = {HEAL_GENERATION_ENV: str(generation), HEAL_FILE_ENV: heal_file}
     try:
         for rank in dead:
             started[rank] = inc.rank_run.replace_rank(rank, env)

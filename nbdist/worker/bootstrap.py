@@ -17,6 +17,7 @@ import time
 
 from nbdist.protocol import registration, rundir
 from nbdist.protocol.rundir import RankIdentity, RunSpec
+from nbdist.protocol.session_channel import HEAL_GENERATION_ENV
 from nbdist.protocol.signals import (RANK_THREAD_SIGNALS, CUT_SIGNAL, PARENT_DIED_SIGNAL, STACK_DUMP_SIGNAL,
                                      set_pdeathsig)
 from nbdist.worker.exceptions import describe_exception
@@ -222,7 +223,7 @@ def init_distributed(spec: RunSpec, identity: RankIdentity) -> bool:
     # "Connection closed by peer". Set for this call only: the user's own new_group() is untouched.
     # A healed rank skips it: its peers passed it long ago, and now re-form their groups with it.
     saved = os.environ.get("TORCH_DIST_INIT_BARRIER")
-    os.environ["TORCH_DIST_INIT_BARRIER"] = "0" if os.environ.get("NBDIST_HEAL_GENERATION") else "1"
+    os.environ["TORCH_DIST_INIT_BARRIER"] = "0" if os.environ.get(HEAL_GENERATION_ENV) else "1"
     try:
         # No device_id: with a device bound, torch makes a DeviceMesh's groups by split_group
         # (ncclCommSplit), which a heal can't replay on a new rank; new_group's it can.
@@ -254,7 +255,7 @@ def run_payload(run_dir: str, spec: RunSpec, identity: RankIdentity, leaving: bo
 
     skip_breakpoints(identity.rank)  # a one-shot rank has no way back to the notebook; a session's sets its own
     created_group = False
-    if spec.reformable and os.environ.get("NBDIST_HEAL_GENERATION"):
+    if spec.reformable and os.environ.get(HEAL_GENERATION_ENV):
         from nbdist.worker.member_arrival import watch_calls_off
 
         # A heal's new rank joins its peers' re-forming here, before its session loop: the kernel's

@@ -50,9 +50,6 @@ CONNECT_GRACE_S = 2.0
 # nothing (the wait itself is woken by the store), and 32 ranks' looks cost the store host little.
 _WATCH_POLL_S = 0.025
 _GAVE_UP = "gave-up"  # the store key by which a member that gave up tells the others
-# A main thread still inside gloo this long after the watcher gave up and cut its sockets waits on
-# something cutting can't free: the rank's log says where (a CI run saw one wait out the kernel's 90 s).
-_STILL_STUCK_S = 5.0
 _SESSION_DIR: list[str] = []
 _WHERE: list[str] = []
 
@@ -166,16 +163,18 @@ class Reforming:
             finally:
                 done.set()
 
-        threading.Thread(target=run, name="nbdist-gloo-connect", daemon=True).start()
+        thread = threading.Thread(target=run, name="nbdist-gloo-connect", daemon=True)
+        thread.start()
         deadline = time.monotonic() + connect_s + CONNECT_GRACE_S
         while not done.wait(min(_WATCH_POLL_S * 4, max(0.0, deadline - time.monotonic()))):
-            if self._said:
-                _log(f"{self.label}: gloo's connect left to end by its own timeout ({self._said[0]})")
-                raise self._called_off(self._said[0])
-            if time.monotonic() >= deadline:
-                _log(f"{self.label}: gloo's connect left to end by its own timeout (past {connect_s:.0f} s)")
-                self.give_up(f"gloo's connect did not end within its {connect_s:.0f} s, with every member "
-                             f"alive as far as rank {self.members[self.rank]} sees")
+            why = self._said[0] if self._said else None
+            if why is None and time.monotonic() >= deadline:
+                why = (f"gloo's connect did not end within its {connect_s:.0f} s, with every member alive as far "
+                       f"as rank {self.members[self.rank]} sees")
+            if why is not None:
+                _log(f"{self.label}: gloo's connect left to end by its own timeout ({why}); it waits in "
+                     f"{describe_stuck_thread(thread.native_id)}")
+                self.give_up(why)
         if "error" in out:
             raise out["error"]
         return out["made"]
@@ -204,12 +203,7 @@ class Reforming:
         opened since ``before`` (this rank's store connection, and gloo's pairs: a connect to a dead
         peer's address retries until gloo's timeout, and a CI run saw one outlast the kernel's 90 s),
         and go on shutting down the ones gloo opens again, until the main thread stops watching."""
-        gave_up_at, cut = None, 0
         while not stop.wait(_WATCH_POLL_S):
-            if gave_up_at is not None and time.monotonic() - gave_up_at > _STILL_STUCK_S:
-                gave_up_at = float("inf")  # said once
-                _log(f"{self.label} is still re-forming {_STILL_STUCK_S:g} s after it was given up "
-                     f"({cut} sockets shut down): {describe_stuck_thread(threading.main_thread().native_id)}")
             if not self._said:
                 try:
                     why = self.why_give_up()
@@ -222,11 +216,10 @@ class Reforming:
                     return
                 if not self._said:
                     self._said.append(why)
-                    gave_up_at = time.monotonic()
                     _log(f"re-forming {self.label} (generation {self.generation}) given up: {why}")
                     with contextlib.suppress(Exception):
                         self.store.compare_set(_GAVE_UP, "", why)
-                cut += shut_down_sockets({fd: inode for fd, inode in socket_inodes().items() if inode not in before})
+                shut_down_sockets({fd: inode for fd, inode in socket_inodes().items() if inode not in before})
 
 
 def _log(line: str) -> None:

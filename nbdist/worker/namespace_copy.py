@@ -293,9 +293,10 @@ def _distributed_sampler(value):
 def replicated_names(every_rank_cells=(), every_rank_values=()) -> list[str]:
     """The names whose values nbdist knows are the same on every rank: imported modules, functions and
     classes (what an import binds), DDP models (their replicas are kept equal by DDP itself), the
-    optimizers over their parameters, and the functions and classes that a cell run on every rank defined (``every_rank_cells``: those cells'
-    files) or that such a cell took from the notebook (``every_rank_values``: their names). What a
-    heal copies when only one survivor is left to compare with."""
+    optimizers over their parameters, and the functions and classes that a cell run on every rank
+    defined (``every_rank_cells``: those cells' files) or that such a cell took from the notebook
+    (``every_rank_values``: their names). What a heal copies when only one survivor is left to
+    compare with."""
     import torch
 
     from nbdist.worker.model_reset import live_ddp_models

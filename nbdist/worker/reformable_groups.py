@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroup as _CProcessGroup
 
+from nbdist.protocol.session_channel import HEAL_GENERATION_ENV
 from nbdist.worker import flight_recorder, stop_point
 from nbdist.worker.group_replay import record_group_calls
 from nbdist.worker.member_arrival import Reforming
@@ -248,7 +249,6 @@ def _create(options, _backend_options):
 
 
 _DEVICES: dict = {}
-HEAL_GENERATION_ENV = "NBDIST_HEAL_GENERATION"  # set in a replacement rank's environment by the heal
 _JOINING: list[int] = []  # the generation a healed rank makes its first groups under, until it joined
 
 

@@ -23,7 +23,7 @@ import sys
 import threading
 
 from nbdist.protocol import rundir
-from nbdist.protocol.session_channel import read_session_key
+from nbdist.protocol.session_channel import HEAL_FILE_ENV, read_session_key
 from nbdist.protocol.shared_values import dump_shared, load_shared
 from nbdist.worker import import_guard
 from nbdist.worker.kernel_connect import connect_to_kernel
@@ -242,7 +242,7 @@ def serve_session(session_dir: str, address) -> None:
 def _join_healed_session(address):
     """A rank the heal started (:mod:`nbdist.session.healing`): make the donor's groups in its order,
     while the survivors re-form theirs, then say hello where the heal listens. Else ``address``."""
-    heal_file = os.environ.get("NBDIST_HEAL_FILE")
+    heal_file = os.environ.get(HEAL_FILE_ENV)
     if not heal_file:
         return address
     import pickle
